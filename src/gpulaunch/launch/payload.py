@@ -11,7 +11,9 @@ by name before any process starts.
 
 from __future__ import annotations
 
+import collections
 import io
+import linecache
 import os
 import sys
 import sysconfig
@@ -57,10 +59,34 @@ def _is_local_module(module: types.ModuleType | None) -> bool:
     return not any(real.startswith(root + os.sep) for root in _installed_roots())
 
 
+def _code_reduce_keeping_filename(code: types.CodeType):
+    """cloudpickle >= 3.1 renames every shipped code object's file to "<dynamic-code>" (for
+    deterministic pickles). We want the ranks' tracebacks to name the real file and line, so
+    the original name is put back."""
+    ctor, args = cloudpickle.cloudpickle._code_reduce(code)
+    args = tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+    return ctor, args
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = collections.ChainMap({types.CodeType: _code_reduce_keeping_filename},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
 def _dumps(obj) -> bytes:
     buf = io.BytesIO()
-    cloudpickle.dump(obj, buf, protocol=5)
+    _Pickler(buf, protocol=5).dump(obj)
     return buf.getvalue()
+
+
+def _source_lines(func) -> dict[str, list[str]]:
+    """Source of code that lives only in the caller's memory (a notebook cell, ``python -c``),
+    so tracebacks in the ranks can show the lines."""
+    code = getattr(func, "__code__", None)
+    if code is None or os.path.exists(code.co_filename):
+        return {}
+    lines = linecache.getlines(code.co_filename)
+    return {code.co_filename: lines} if lines else {}
 
 
 def serialize_call(func, args: tuple, kwargs: dict, *, arg_names: dict[int, str] | None = None,
@@ -107,6 +133,7 @@ def serialize_call(func, args: tuple, kwargs: dict, *, arg_names: dict[int, str]
             "args": arg_blobs[:len(args)],
             "kwargs": dict(zip(kwargs.keys(), arg_blobs[len(args):])),
             "sys_path": [p for p in sys.path if p],
+            "sources": _source_lines(func),
             "python": sys.version_info[:3],
         }
         return _dumps(envelope)
@@ -123,6 +150,8 @@ def load_call(path: Path):
     if tuple(envelope["python"][:2]) != sys.version_info[:2]:
         raise RuntimeError(f"The payload was written by Python {envelope['python']} but this rank "
                            f"runs Python {sys.version_info[:3]}; use the same interpreter.")
+    for filename, lines in envelope.get("sources", {}).items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
     for p in envelope["sys_path"]:
         if p not in sys.path:
             sys.path.append(p)
@@ -133,9 +162,11 @@ def load_call(path: Path):
 
 
 # ----------------------------------------------------------------------- errors as data
-def exception_record(exc: BaseException, *, rank: int, host: str, extra: str = "") -> dict:
+def exception_record(exc: BaseException, *, rank: int, host: str, tb: str | None = None,
+                     extra: str = "") -> dict:
     """What a rank writes when its function raised: enough to rebuild or describe the error."""
-    tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    if tb is None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
         blob = _dumps(exc)
         cloudpickle.loads(blob)  # make sure the caller will be able to rebuild it

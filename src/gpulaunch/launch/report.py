@@ -87,8 +87,10 @@ class Failure:
 
     def summary(self) -> str:
         if self.record:
-            return f"rank {self.rank}: {self.record['type'].rsplit('.', 1)[-1]}: " \
-                   f"{self.record['message'][:200]}"
+            message = (self.record["message"].splitlines() or [""])[0]
+            if len(message) > 160:
+                message = message[:160] + "..."
+            return f"rank {self.rank}: {self.record['type'].rsplit('.', 1)[-1]}: {message}"
         return f"rank {self.rank} {describe_exit(self.exit_code)}"
 
 
@@ -188,7 +190,7 @@ def raise_for_run(run: RunDir, *, reason: str | None = None, timeout: float | No
         root = _root_cause(failures)
         others = [f.summary() for f in failures if f is not root]
         also = ("\nAlso failed (after the root cause): " + "; ".join(others)) if others else ""
-        log_tail = _rank_log(run, attempt, root.rank)
+        log_tail = _rank_log(run, attempt, root.rank) or "(it printed nothing)"
         where = f"rank {root.rank} (host {root.host}, attempt {attempt})"
         rec = root.record
         if rec and rec.get("exception") is not None and not rec["type"].endswith("SystemExit"):
@@ -227,8 +229,9 @@ def raise_for_run(run: RunDir, *, reason: str | None = None, timeout: float | No
             hint = _signal_hint(code, oom)
             what = f"was killed by {describe_exit(code).split('by ')[-1]}"
         else:
+            kind = (run.launch().get("entry") or {}).get("kind", "function")
             hint = ("It ended without raising a Python exception: os._exit(), or a native "
-                    "library that called exit().")
+                    "library that called exit().") if kind == "function" else ""
             what = describe_exit(code)
         raise errors.WorkerCrashError(
             f"Rank {root.rank} (host {root.host}) {what}. {hint}{also}\n"

@@ -128,18 +128,19 @@ def main(argv: list[str]) -> None:
         if code == 0:
             result = None
         else:
-            tb = traceback.format_exc()
+            tb = _user_traceback(e)
             sys.stderr.write(tb)
-            record = exception_record(e, rank=rank, host=host)
+            record = exception_record(e, rank=rank, host=host, tb=tb)
             record["exit_code"] = code
             _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
             _write_elastic_error_file(e, tb)
             _finish(code)
             return
     except BaseException as e:  # noqa: BLE001 - everything must be reported
-        tb = traceback.format_exc()
+        tb = _user_traceback(e)
         sys.stderr.write(tb)
-        record = exception_record(e, rank=rank, host=host, extra=_cuda_memory_report(e))
+        record = exception_record(e, rank=rank, host=host, tb=tb,
+                                  extra=_cuda_memory_report(e))
         record["collateral"] = any(p in str(e) for p in COLLATERAL_PATTERNS)
         record["time"] = time.time()
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
@@ -161,7 +162,7 @@ def main(argv: list[str]) -> None:
             "state_dicts) instead.")
         tb = "".join(traceback.format_exception(type(err), err, None))
         sys.stderr.write(tb)
-        record = exception_record(err, rank=rank, host=host)
+        record = exception_record(err, rank=rank, host=host, tb=tb)
         record["time"] = time.time()
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
         _write_elastic_error_file(err, tb)
@@ -200,6 +201,14 @@ def _entry(run: RunDir):
             os.execvp(argv[0], argv)  # keeps the pid and the parent-death signal
         return run_exec
     raise ValueError(f"unknown entry kind {kind!r}")
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without gpulaunch's own frames above the user's code."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
 
 
 def _pickle(obj) -> bytes:
