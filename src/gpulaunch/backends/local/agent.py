@@ -18,6 +18,7 @@ process, and the caller stays responsive while ranks run (``submit``).
 from __future__ import annotations
 
 import argparse
+import inspect
 import logging
 import os
 import signal
@@ -96,10 +97,21 @@ def _failures_to_json(failures) -> dict:
 class GpulaunchAgent(LocalElasticAgent):
     """LocalElasticAgent that reports its progress into the run directory."""
 
-    def __init__(self, *a, status: StatusWriter, **kw):
+    def __init__(self, *a, status: StatusWriter, shutdown_grace: float, **kw):
+        # Newer torch takes shutdown_timeout; older releases (2.11) hard-code 30 s in _shutdown.
+        if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
+            kw["shutdown_timeout"] = max(1, int(round(shutdown_grace)))
         super().__init__(*a, **kw)
         self.status = status
+        self.shutdown_grace = shutdown_grace
         self._last_result = None
+
+    def _shutdown(self, death_sig=signal.SIGTERM, *args, **kwargs):
+        # Stop the ranks with our grace period (SIGTERM, then SIGKILL) whatever the torch
+        # version; torchelastic's own shutdown then finds them gone.
+        if self._pcontext is not None:
+            self._pcontext.close(death_sig, timeout=max(1, int(round(self.shutdown_grace))))
+        return super()._shutdown(death_sig, *args, **kwargs)
 
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
@@ -223,7 +235,7 @@ def main(argv: list[str] | None = None) -> int:
                            entrypoint=entry[0], args=tuple(entry[1:]), rdzv_handler=rdzv,
                            max_restarts=int(spec.get("max_restarts", 0)), monitor_interval=0.1)
         agent = GpulaunchAgent(wspec, logs_specs=RunDirLogs(run), start_method="spawn",
-                               shutdown_timeout=max(1, int(round(spec["shutdown_grace"]))),
+                               shutdown_grace=float(spec["shutdown_grace"]),
                                exit_barrier_timeout=float(launch.get("exit_barrier_timeout", 300)),
                                status=status)
         if spec.get("hang_timeout"):

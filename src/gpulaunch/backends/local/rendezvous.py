@@ -4,8 +4,15 @@ torchelastic's own static rendezvous creates a ``TCPStore`` that listens on ever
 On a single host nothing needs to be reachable from outside, so we bind the listening socket
 ourselves (127.0.0.1, port 0: the kernel picks a free port atomically, so two runs can never
 race for the same port) and hand its file descriptor to ``TCPStore(master_listen_fd=...)``.
-Ranks then join this agent store as clients (``TORCHELASTIC_USE_AGENT_STORE=True``), so no rank
+Ranks then join an agent store as clients (``TORCHELASTIC_USE_AGENT_STORE=True``), so no rank
 opens a store server of its own.
+
+Each rendezvous round (the first start and every restart) gets a *fresh* store for the ranks:
+``init_process_group`` writes its keys (gloo/NCCL addresses) at fixed names, so ranks of a
+restarted group reading one store would find the dead group's addresses and hang connecting to
+them. torch's env:// code assumes exactly this ("we create a new TCPStore for every retry").
+The agents keep one store of their own for the whole run; node 0 publishes each round's rank
+store port in it for the other nodes.
 """
 
 from __future__ import annotations
@@ -29,15 +36,25 @@ class BoundStaticRendezvous(RendezvousHandler):
         self.timeout = datetime.timedelta(seconds=timeout)
         self._listener: socket.socket | None = None
         self._store = None
+        self._rank_store = None        # the current round's store for the ranks (node 0)
+        self._rank_listener: socket.socket | None = None
+        self._round = 0
         self.port = port
         if node_rank == 0:
-            family = socket.AF_INET6 if ":" in bind_host else socket.AF_INET
-            sock = socket.socket(family, socket.SOCK_STREAM)
-            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind((bind_host, port))
-            sock.listen(512)
-            self._listener = sock
-            self.port = sock.getsockname()[1]
+            self._listener = self._listen(port)
+            self.port = self._listener.getsockname()[1]
+
+    def _listen(self, port: int) -> socket.socket:
+        family = socket.AF_INET6 if ":" in self.bind_host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((self.bind_host, port))
+        sock.listen(512)
+        return sock
+
+    def _serve(self, sock: socket.socket, world: int | None):
+        return TCPStore(self.connect_host, sock.getsockname()[1], world, True, self.timeout,
+                        wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
 
     def get_backend(self) -> str:
         return "gpulaunch-static"
@@ -49,15 +66,24 @@ class BoundStaticRendezvous(RendezvousHandler):
     def next_rendezvous(self) -> RendezvousInfo:
         if self._store is None:
             if self._listener is not None:
-                self._store = TCPStore(self.connect_host, self.port, self.nnodes, True,
-                                       self.timeout, wait_for_workers=False, multi_tenant=True,
-                                       master_listen_fd=self._listener.fileno())
+                self._store = self._serve(self._listener, self.nnodes)
             else:
                 self._store = TCPStore(self.connect_host, self.port, self.nnodes, False,
                                        self.timeout)
+        key = f"gpulaunch/rank_store_port/{self._round}"
+        if self.node_rank == 0:
+            listener = self._listen(0)
+            rank_store = self._serve(listener, None)
+            # drop the previous round's store only now: the new port can never equal it
+            self._rank_store, self._rank_listener = rank_store, listener
+            rank_port = listener.getsockname()[1]
+            self._store.set(key, str(rank_port))
+        else:
+            rank_port = int(self._store.get(key))
+        self._round += 1
         store = PrefixStore(self.run_id, self._store)
         return RendezvousInfo(store, self.node_rank, self.nnodes,
-                              RendezvousStoreInfo(self.connect_host, self.port))
+                              RendezvousStoreInfo(self.connect_host, rank_port))
 
     def is_closed(self) -> bool:
         return False
