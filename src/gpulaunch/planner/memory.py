@@ -89,7 +89,8 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
 
     # --- what each technique stores, in bytes -------------------------------------------------
     cache = 0         # autocast's bf16 weight copies, alive from forward to their block's backward
-    gathered = 0      # unsharded parameters alive during forward/backward (FSDP, ZeRO-3)
+    gathered_idle = 0  # unsharded parameters kept between forward and backward (FSDP root)
+    gathered = 0      # unsharded parameters alive while a block runs (FSDP, ZeRO-3): idle + blocks
     grad_transient = 0
     buckets = 0
     step_tmp = 0
@@ -122,8 +123,10 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
         opt = n_states * sb * Pt // N
         grads = sb * Pt // N
         # The root group (embedding, head, final norm) is not resharded after forward; each block is
-        # all-gathered in the compute dtype with the next one prefetched.
-        gathered = c * root + 2 * c * layer + 2 * c * layer // N
+        # all-gathered in the compute dtype, with the next one prefetched, and resharded after use
+        # (checked on CPU with bench/planner_livebytes.py: after forward only the root stays gathered).
+        gathered_idle = c * root
+        gathered = gathered_idle + 2 * c * layer
         # Backward: a block's unsharded gradient (compute dtype) and its fp32 copy for reduce-scatter.
         grad_transient = (c + (4 if not pure_dtype else 0)) * (layer if not setup.lora else 0)
         step_tmp = sb * Pt // N if setup.optimizer_impl == "foreach" and n_states else 0
@@ -142,6 +145,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
         step_tmp = 4 * Pt // N
         if stage == 3:
             gathered = c * (2 * layer + min(DS_PREFETCH_BUCKET, layer))
+            gathered_idle = 0
         if off:
             cpu = opt + step_tmp + (4 * Pt // N)
             opt = step_tmp = 0
@@ -154,11 +158,12 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
     static = params + opt + buckets + ALLOC_WORKSPACE
     head_grad = (4 if name == "ddp" and not setup.lora else c) * (shape.vocab_size * shape.hidden_size
                                                                  if not setup.lora and shape.family == "decoder" else 0) // (N if name in ("fsdp", "zero2", "zero3") else 1)
-    in_flight = static + gathered + cache + prof.saved
+    in_flight = static + gathered_idle + cache + prof.saved
     phases = {
         "forward end": in_flight + prof.loss_forward,
         "backward start": in_flight + prof.loss_backward,
-        "backward layer": in_flight + prof.recompute + prof.layer_backward_transient + head_grad + grad_transient,
+        "backward layer": in_flight + (gathered - gathered_idle) + prof.recompute + prof.layer_backward_transient
+        + head_grad + grad_transient,
         "backward end": static + grads + grad_transient + (c * root if name == "fsdp" else 0),
         "optimizer step": static + grads + step_tmp,
     }
