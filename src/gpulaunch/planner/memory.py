@@ -169,8 +169,10 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
     }
     phase = max(phases, key=phases.get)
     peak = phases[phase]
-    activ = {"forward end": prof.saved + prof.loss_forward, "backward start": prof.saved + prof.loss_backward,
-             "backward layer": prof.saved + prof.recompute + prof.layer_backward_transient}.get(phase, 0)
+    # The activation column shows the activations' own largest moment; peak_phase says which moment
+    # of the step is the overall peak (for a big model with a small batch it is the optimizer step).
+    activ = max(prof.saved + prof.loss_forward, prof.saved + prof.loss_backward,
+                prof.saved + prof.recompute + prof.layer_backward_transient)
     return MemoryBreakdown(parameters=params, gradients=grads, optimizer=opt, activations=activ,
                            communication=buckets + gathered + grad_transient, overhead=ALLOC_WORKSPACE + cache,
                            peak_allocated=peak, peak_phase=phase, phases=phases, cpu_bytes=cpu)
