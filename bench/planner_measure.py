@@ -247,6 +247,7 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=None, help="comma list (default: both sizes)")
     ap.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop launching groups after this")
+    ap.add_argument("--predict-only", action="store_true", help="write the predictions, run nothing")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -280,7 +281,9 @@ def main(argv=None) -> int:
                     import deepspeed  # noqa: F401
                 except Exception as e:
                     skip = f"deepspeed not importable ({type(e).__name__}); ZeRO-3 not measured"
-            if time.time() - t_start > args.budget_s:
+            if args.predict_only:
+                skip = "--predict-only"
+            elif time.time() - t_start > args.budget_s:
                 skip = f"time budget ({args.budget_s:.0f} s) spent before this group"
             if skip is None:
                 from dataclasses import asdict
