@@ -387,6 +387,11 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
         log.info("strategy='auto' chose %r: %s", strategy, reason)
         if _env.rank() == 0:
             print(f"[gpulaunch.parallel] strategy='auto' -> {strategy!r}: {reason}", flush=True)
+    if strategy.startswith("zero") and mixed_precision == "fp16" and device.type == "cpu":
+        raise ParallelError(
+            f"DeepSpeed does not support fp16 on CPU (its CPU accelerator refuses 'fp16'), so "
+            f"strategy={strategy!r} with mixed_precision='fp16' cannot run here: use mixed_precision='bf16' "
+            "or None on CPU, or run on a GPU.")
     if strategy != "none":
         _env.require_process_group(strategy)
     if cpu_offload and strategy in ("none", "ddp"):
@@ -472,7 +477,8 @@ def _apply_fsdp(model, optimizer, device, dtype, cpu_offload, blist, fsdp_kwargs
             "`optimizer=lambda params: torch.optim.AdamW(params, ...)`.", stacklevel=3)
         params = dict(model.named_parameters())
         groups = [{**hp, "params": [params[n] for n in ns]} for hp, ns in rebuild_groups]
-        opt = type(optimizer)(groups, **optimizer.defaults)
+        accepted = inspect.signature(type(optimizer).__init__).parameters
+        opt = type(optimizer)(groups, **{k: v for k, v in optimizer.defaults.items() if k in accepted})
     else:
         opt = _build_optimizer(optimizer, model.parameters())
     return model, opt
@@ -485,11 +491,6 @@ def _prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, acti
     except ImportError as e:
         raise ParallelError(f"strategy={strategy!r} needs DeepSpeed: pip install 'gpulaunch[deepspeed]' "
                             f"(or pip install deepspeed); import failed: {e}") from e
-    if mixed_precision == "fp16" and device.type == "cpu":
-        raise ParallelError(
-            f"DeepSpeed does not support fp16 on CPU (its CPU accelerator refuses 'fp16'), so "
-            f"strategy={strategy!r} with mixed_precision='fp16' cannot run here: use mixed_precision='bf16' "
-            "or None on CPU, or run on a GPU.")
     stage = int(strategy[-1])
     if activation_checkpointing:
         blist = find_blocks(model, blocks)
