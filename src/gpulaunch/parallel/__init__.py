@@ -17,7 +17,7 @@ from .blocks import find_blocks
 from .checkpoint import export, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
 from .data import DistributedLoader, ShardedFileDataset, distributed_loader, read_lines, seed_everything
 from ._env import ParallelError
-from .prepare import STRATEGIES, Prepared, deepspeed_config, estimate_training_bytes, prepare
+from .strategies import STRATEGIES, Prepared, deepspeed_config, estimate_training_bytes, prepare
 
 __all__ = [
     "prepare", "Prepared", "STRATEGIES", "ParallelError", "find_blocks", "deepspeed_config",

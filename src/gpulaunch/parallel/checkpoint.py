@@ -40,7 +40,7 @@ from torch import nn
 
 from . import _env
 from ._env import ParallelError, is_url
-from .prepare import DeepSpeedPrepared, Prepared, TorchPrepared
+from .strategies import DeepSpeedPrepared, Prepared, TorchPrepared
 
 __all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export"]
 
