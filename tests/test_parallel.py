@@ -460,3 +460,27 @@ def test_none_strategy_single_process_checkpoint_roundtrip(tmp_path):
     sp, sq = p.optimizer.state_dict(), q.optimizer.state_dict()
     for k in sp["state"]:
         assert torch.equal(sp["state"][k]["exp_avg"], sq["state"][k]["exp_avg"])
+
+
+def job_load_as(strategy, root, step):
+    p = gp.prepare(make_model(seed=99), opt_factory, strategy=strategy)
+    info = gp.load_checkpoint(root, p, step=step)
+    with torch.no_grad():
+        return info["step"], p.model(PROBE).float()
+
+
+def test_dcp_checkpoints_move_between_ddp_fsdp_and_world_sizes(tmp_path_factory):
+    """A DDP checkpoint resumes under FSDP2 (2 ranks), and an FSDP2 one in a single process."""
+    (ddp0, _), ddp_root = strategy_result("ddp", tmp_path_factory)
+    (fsdp0, _), fsdp_root = strategy_result("fsdp", tmp_path_factory)
+    step, probe = run_ranks(job_load_as, "fsdp", ddp_root, STEPS)[0]
+    assert step == STEPS
+    torch.testing.assert_close(probe, ddp0["probe"], rtol=0, atol=1e-6)
+    p = gp.prepare(make_model(seed=99), opt_factory, strategy="none")
+    assert gp.load_checkpoint(fsdp_root, p)["step"] == STEPS
+    with torch.no_grad():
+        torch.testing.assert_close(p.model(PROBE), fsdp0["probe"], rtol=0, atol=1e-6)
+    if HAVE_DS:  # a ZeRO checkpoint is DeepSpeed's format: a clear error that names export()
+        (_, _), z_root = strategy_result("zero2", tmp_path_factory)
+        with pytest.raises(gp.ParallelError, match="export"):
+            gp.load_checkpoint(z_root, gp.prepare(make_model(), opt_factory, strategy="none"))

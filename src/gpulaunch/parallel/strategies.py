@@ -429,6 +429,8 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
             kw = dict(ddp_kwargs or {})
             if device.type == "cuda":
                 kw.setdefault("device_ids", [device.index])
+            # gradients live in DDP's communication buckets instead of a second copy: saves 4 B/param
+            kw.setdefault("gradient_as_bucket_view", True)
             wrapped = DDP(model, **kw)
         else:
             wrapped = model
