@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and print its path.
+# GPULAUNCH_VENV picks the location (default: .venv in the repository); the environment is
+# rebuilt only when the dependency files change (their hash is stored inside it).
+set -euo pipefail
+repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+venv="${GPULAUNCH_VENV:-$repo/.venv}"
+extras="${GPULAUNCH_EXTRAS:-test}"
+# torch 2.14.1 + torchvision 0.29.1: the CUDA build, which also runs on CPU (RetinaNet recipe
+# needs torchvision). Override with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" (CPU only).
+torch_spec="${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
+key="$( (cat "$repo/pyproject.toml"; echo "$extras $torch_spec") | sha256sum | cut -c1-16)"
+if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.gpulaunch-key" 2>/dev/null)" = "$key" ]; then
+  # dependencies unchanged: only make sure the checkout itself is the one installed
+  "$venv/bin/python" -m pip install -q --no-deps -e "$repo" 2>&1 | grep -v "^WARNING: Location" >&2 || true
+  echo "$venv"; exit 0
+fi
+rm -rf "$venv"
+python3 -m venv "$venv"
+quiet() { grep -v "^WARNING: Location" >&2 || true; }  # local package mirrors are noisy
+"$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | quiet
+# shellcheck disable=SC2086
+"$venv/bin/python" -m pip install -q $torch_spec 2>&1 | quiet
+"$venv/bin/python" -m pip install -q -e "$repo[$extras]" 2>&1 | quiet
+"$venv/bin/python" -c "import gpulaunch, torch" # fail here, clearly, if the install did not work
+echo "$key" > "$venv/.gpulaunch-key"
+echo "$venv"

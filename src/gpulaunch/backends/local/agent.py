@@ -1,0 +1,253 @@
+"""The node agent: ``python -m gpulaunch.backends.local.agent RUN_DIR [--node-rank N ...]``.
+
+One agent runs per node. It is torchelastic's ``LocalElasticAgent`` (the machinery behind
+torchrun: the worker environment contract, whole-group restarts, SIGTERM-then-SIGKILL
+shutdown, error files), configured by the run directory, plus three things torchrun lacks:
+
+* a rendezvous store bound to loopback on a single host (see ``rendezvous.py``);
+* caller-death detection: the caller holds our stdin pipe; EOF means it died (even by SIGKILL),
+  and we stop every rank;
+* the hang watchdog's teardown: when a rank reports itself stuck, every local rank dumps its
+  Python stack (SIGUSR1 -> faulthandler) before the group is killed.
+
+It runs in its own process (not inside the caller) so that a notebook kernel never holds
+signal handlers, stores or child processes of a run: cancelling a run is signalling one
+process, and the caller stays responsive while ranks run (``submit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+
+from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+from torch.distributed.elastic.multiprocessing import SignalException
+from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
+
+from ...launch import procutil
+from ...launch.rundir import RunDir, read_json, write_json_atomic
+from .rendezvous import BoundStaticRendezvous
+
+log = logging.getLogger("gpulaunch.agent")
+
+
+class RunDirLogs(LogsSpecs):
+    """Per-rank log and error files at ``attempt<k>/rank<r>.*`` in the run directory."""
+
+    def __init__(self, run: RunDir):
+        super().__init__(log_dir=str(run.path))
+        self.run = run
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self.run.path)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        dest = LogsDest()
+        for local_rank, env in envs.items():
+            attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+            rank = int(env["RANK"])
+            self.run.attempt_dir(attempt).mkdir(exist_ok=True)
+            dest.stdouts[local_rank] = str(self.run.rank_file(attempt, rank, "log"))
+            dest.stderrs[local_rank] = str(self.run.rank_file(attempt, rank, "stderr.log"))
+            dest.error_files[local_rank] = str(self.run.rank_file(attempt, rank, "error.json"))
+        return dest
+
+
+class StatusWriter:
+    """status.json: what the caller reads to follow the run (state, attempt, pids, failures)."""
+
+    def __init__(self, run: RunDir, node_rank: int):
+        self.run = run
+        self.node_rank = node_rank
+        self.lock = threading.Lock()
+        self.data: dict = {"state": "STARTING", "attempt": 0, "pids": {}, "agent_pid": os.getpid(),
+                           "node_rank": node_rank, "started": time.time(), "history": []}
+        self.flush()
+
+    def update(self, **kw) -> None:
+        with self.lock:
+            self.data.update(kw)
+            self.flush()
+
+    def flush(self) -> None:
+        # One status file per node; node 0's is the run's (multi-node agents write their own).
+        name = "status.json" if self.node_rank == 0 else f"status.node{self.node_rank}.json"
+        write_json_atomic(self.run.path / name, self.data)
+
+
+def _failures_to_json(failures) -> dict:
+    out = {}
+    for rank, f in failures.items():
+        out[str(rank)] = {"local_rank": f.local_rank, "pid": f.pid, "exitcode": f.exitcode,
+                          "error_file": f.error_file, "timestamp": f.timestamp,
+                          "message": f.message}
+    return out
+
+
+class GpulaunchAgent(LocalElasticAgent):
+    """LocalElasticAgent that reports its progress into the run directory."""
+
+    def __init__(self, *a, status: StatusWriter, **kw):
+        super().__init__(*a, **kw)
+        self.status = status
+        self._last_result = None
+
+    def _start_workers(self, worker_group):
+        pids = super()._start_workers(worker_group)
+        attempt = worker_group.spec.max_restarts - self._remaining_restarts
+        ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
+        self.status.update(state="RUNNING", attempt=attempt,
+                           pids={str(ranks[lr]): pid for lr, pid in pids.items()})
+        return pids
+
+    def _monitor_workers(self, worker_group):
+        result = super()._monitor_workers(worker_group)
+        self._last_result = result
+        return result
+
+    def _restart_workers(self, worker_group):
+        if self._last_result is not None and self._last_result.failures:
+            history = self.status.data["history"] + [{
+                "attempt": self.status.data["attempt"], "ended": time.time(),
+                "failures": _failures_to_json(self._last_result.failures)}]
+            self.status.update(state="RESTARTING", history=history)
+        super()._restart_workers(worker_group)
+
+    def current_pids(self) -> list[int]:
+        pc = self._pcontext
+        return list(pc.pids().values()) if pc is not None else []
+
+
+def _watch_caller(stop_event: threading.Event) -> None:
+    """The caller holds our stdin's write end. EOF = the caller is gone: stop everything."""
+    try:
+        while sys.stdin.buffer.read(1):
+            pass
+    except (OSError, ValueError):
+        pass
+    if not stop_event.is_set():
+        os.kill(os.getpid(), signal.SIGTERM)
+
+
+def _watch_hangs(run: RunDir, agent: GpulaunchAgent, status: StatusWriter,
+                 stop_event: threading.Event) -> None:
+    """Turn a rank's ``.stuck`` report into stack dumps of all local ranks and a teardown."""
+    while not stop_event.wait(0.5):
+        attempt = status.data.get("attempt", 0)
+        stuck = sorted(run.attempt_dir(attempt).glob("rank*.stuck"))
+        if not stuck:
+            continue
+        report = read_json(stuck[0], {})
+        pids = agent.current_pids()
+        procutil.kill_pids(pids, signal.SIGUSR1)      # faulthandler: dump every thread's stack
+        time.sleep(1.0)
+        write_json_atomic(run.hang_json, {"detected_by": report.get("rank"), "attempt": attempt,
+                                          "stuck_for": report.get("stuck_for"),
+                                          "where": report.get("where"), "time": time.time(),
+                                          "node_rank": status.node_rank})
+        status.update(hang=True)
+        procutil.kill_process_groups(pids, signal.SIGKILL)
+        return
+
+
+def _worker_env(launch: dict, run: RunDir, node_rank: int) -> None:
+    """Environment every rank inherits, on top of what torchelastic sets per rank."""
+    spec = launch["spec"]
+    env = os.environ
+    env["NODE_RANK"] = str(node_rank)          # Composer, Lightning and others read it
+    env.setdefault("REPLICA_RANK", "0")
+    env["PYTHONUNBUFFERED"] = "1"
+    env["GPULAUNCH_RUN_DIR"] = str(run.path)
+    env["GPULAUNCH_DEVICE"] = spec["device"]
+    if spec.get("hang_timeout"):
+        env["GPULAUNCH_HANG_TIMEOUT"] = str(spec["hang_timeout"])
+    else:
+        env.pop("GPULAUNCH_HANG_TIMEOUT", None)
+    if spec["nproc_per_node"] > 1 and "OMP_NUM_THREADS" not in env:
+        env["OMP_NUM_THREADS"] = "1"              # what torchrun does; avoids oversubscription
+    if launch.get("nnodes", 1) == 1:
+        # Single host: collectives' sockets on loopback too (nothing listens publicly).
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        if spec["device"] == "cuda":
+            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if spec["device"] == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""          # CPU workers: never touch a GPU by accident
+    else:
+        # NCCL flight recorder: a record of the last collectives, dumped on a watchdog timeout.
+        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run.path / "nccl_trace_rank_"))
+    for k, v in spec.get("env", []):
+        env[k] = v
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="gpulaunch-agent")
+    p.add_argument("run_dir")
+    p.add_argument("--node-rank", type=int, default=0)
+    p.add_argument("--watch-stdin", action="store_true")
+    a = p.parse_args(argv)
+
+    run = RunDir(a.run_dir)
+    launch = run.launch()
+    spec = launch["spec"]
+    node_rank = a.node_rank
+    nnodes = int(launch.get("nnodes", 1))
+    logging.basicConfig(level=logging.WARNING, format="gpulaunch-agent: %(message)s")
+    # torchelastic logs every state change at INFO/WARNING; the caller reports what matters.
+    logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
+
+    status = StatusWriter(run, node_rank)
+    stop_event = threading.Event()
+    if a.watch_stdin:
+        threading.Thread(target=_watch_caller, args=(stop_event,), daemon=True).start()
+
+    try:
+        _worker_env(launch, run, node_rank)
+        rdzv = BoundStaticRendezvous(
+            bind_host=launch.get("bind_host", "127.0.0.1"), port=int(launch.get("port", 0)),
+            connect_host=launch.get("master_addr"), node_rank=node_rank, nnodes=nnodes,
+            run_id=run.run_id)
+        status.update(master_port=rdzv.port)
+        entry = [sys.executable, "-u", "-m", "gpulaunch.launch.worker", str(run.path)]
+        wspec = WorkerSpec(role="rank", local_world_size=int(spec["nproc_per_node"]),
+                           entrypoint=entry[0], args=tuple(entry[1:]), rdzv_handler=rdzv,
+                           max_restarts=int(spec.get("max_restarts", 0)), monitor_interval=0.1)
+        agent = GpulaunchAgent(wspec, logs_specs=RunDirLogs(run), start_method="spawn",
+                               shutdown_timeout=max(1, int(round(spec["shutdown_grace"]))),
+                               exit_barrier_timeout=float(launch.get("exit_barrier_timeout", 300)),
+                               status=status)
+        if spec.get("hang_timeout"):
+            threading.Thread(target=_watch_hangs, args=(run, agent, status, stop_event),
+                             daemon=True).start()
+        result = agent.run()
+    except SignalException as e:
+        stop_event.set()
+        status.update(state="STOPPED", signal=signal.Signals(e.sigval).name, ended=time.time())
+        return 128 + int(e.sigval)
+    except BaseException as e:  # noqa: BLE001 - the caller must learn why
+        stop_event.set()
+        status.update(state="AGENT_ERROR", error=f"{type(e).__name__}: {e}",
+                      traceback=traceback.format_exc(), ended=time.time())
+        traceback.print_exc()
+        return 2
+    stop_event.set()
+    if result.is_failed():
+        status.update(state="FAILED", failures=_failures_to_json(result.failures),
+                      ended=time.time())
+        return 1
+    status.update(state="SUCCEEDED", ended=time.time())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""Caller side of a single-host run: start the node agent, follow it, stop it, read the outcome.
+
+The caller never imports torch for this and never runs anything of the user's: it starts one
+agent process (``agent.py``) in a new session with a pipe on its stdin, tails the ranks' log
+files, enforces ``timeout=``, and on the way out makes sure no process of the run survives.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ...launch import procutil, report
+from ...launch.logstream import LogStreamer
+from ...launch.rundir import RunDir, hostname, read_json, write_json_atomic
+from ...launch.spec import LaunchSpec
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding "gpulaunch/"
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment, plus gpulaunch importable in the children (dev checkouts)."""
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _PACKAGE_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + paths)
+    if extra:
+        env.update(extra)
+    return env
+
+
+class LocalRun:
+    """One run on this host. ``step()`` advances it; ``stop()`` ends it; ``outcome()`` reads it."""
+
+    def __init__(self, spec: LaunchSpec, run: RunDir, entry: dict, *, label: str,
+                 stream: bool = True, write=None):
+        self.spec = spec
+        self.run = run
+        self.entry = entry
+        self.label = label
+        self.reason: str | None = None      # "timeout" / "cancelled" when we stopped it
+        self.proc: subprocess.Popen | None = None
+        self.finished = False
+        self._lock = threading.RLock()
+        self._attempt_seen = -1
+        self._deadline: float | None = None
+        self._oom_start = report.oom_kill_count()
+        self.streamer = LogStreamer(show=spec.shows_rank, write=write) if stream else None
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "LocalRun":
+        launch = {
+            "spec": dataclasses.asdict(self.spec),
+            "entry": self.entry,
+            "label": self.label,
+            "nnodes": 1,
+            "bind_host": "127.0.0.1",
+            "caller_pid": os.getpid(),
+            "host": hostname(),
+            "cwd": os.getcwd(),
+            "argv": sys.argv,
+            "started": time.time(),
+            "world_size": self.spec.world_size,
+        }
+        write_json_atomic(self.run.launch_json, launch)
+        with open(self.run.agent_log, "wb") as agent_log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
+                 "--watch-stdin"],
+                stdin=subprocess.PIPE, stdout=agent_log, stderr=subprocess.STDOUT,
+                start_new_session=True, env=child_env(), close_fds=True)
+        if self.spec.timeout is not None:
+            self._deadline = time.monotonic() + self.spec.timeout
+        _ACTIVE.add(self)
+        return self
+
+    def step(self) -> bool:
+        """Stream new log lines, enforce the timeout; True once the run has ended."""
+        with self._lock:
+            if self.finished:
+                return True
+            self._follow_attempts()
+            if self.streamer:
+                self.streamer.pump()
+            if self.proc.poll() is not None:
+                self._finalize()
+                return True
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                self.stop("timeout")
+                return True
+            return False
+
+    def wait(self, poll: float = 0.1, timeout: float | None = None) -> bool:
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self.step():
+            if end is not None and time.monotonic() > end:
+                return False
+            time.sleep(poll)
+        return True
+
+    def stop(self, reason: str) -> None:
+        """Stop every process of the run: SIGTERM the agent (it stops the ranks with the
+        grace period), then SIGKILL anything still there."""
+        with self._lock:
+            if self.finished:
+                return
+            self.reason = self.reason or reason
+            if self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    self.proc.wait(self.spec.shutdown_grace + 5)
+                except subprocess.TimeoutExpired:
+                    procutil.kill_process_groups([self.proc.pid], signal.SIGKILL)
+                    self.proc.wait()
+            self._finalize()
+
+    def _finalize(self) -> None:
+        self.finished = True
+        _ACTIVE.discard(self)
+        try:
+            self.proc.stdin.close()
+        except OSError:
+            pass
+        self._follow_attempts()
+        if self.streamer:
+            self.streamer.pump(final=True)
+        self.kill_leftovers()
+
+    def kill_leftovers(self) -> list[int]:
+        """Any rank (or a rank's child) still alive after its agent ended is killed now."""
+        left = [p for p in self.rank_pids() if procutil.pid_alive(p)]
+        if left:
+            procutil.kill_process_groups(left, signal.SIGKILL)
+        return left
+
+    def rank_pids(self) -> list[int]:
+        pids = set()
+        status = self.run.status()
+        pids.update(int(p) for p in (status.get("pids") or {}).values())
+        for attempt in self.run.attempts():
+            for info in self.run.attempt_dir(attempt).glob("rank*.info.json"):
+                pid = (read_json(info, {}) or {}).get("pid")
+                if pid:
+                    pids.add(int(pid))
+        return sorted(pids)
+
+    def _follow_attempts(self) -> None:
+        attempts = self.run.attempts()
+        if not attempts or attempts[-1] == self._attempt_seen:
+            return
+        latest = attempts[-1]
+        if self._attempt_seen >= 0 and self.streamer:
+            history = self.run.status().get("history") or []
+            why = ""
+            if history:
+                fails = history[-1].get("failures") or {}
+                why = "; ".join(f"rank {r} {procutil.describe_exit(f.get('exitcode'))}"
+                                for r, f in sorted(fails.items(), key=lambda kv: int(kv[0])))
+            self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} failed ({why}); "
+                                f"restarting all ranks (attempt {latest} of "
+                                f"{self.spec.max_restarts})\n")
+        self._attempt_seen = latest
+        if self.streamer:
+            for r in range(self.spec.world_size):
+                self.streamer.watch(r, self.run.rank_file(latest, r, "log"))
+
+    # ------------------------------------------------------------------ results
+    @property
+    def state(self) -> str:
+        if not self.finished:
+            return "RUNNING" if self.proc is not None else "PENDING"
+        if self.reason == "timeout":
+            return "TIMED_OUT"
+        if self.reason == "cancelled":
+            return "CANCELLED"
+        return {"SUCCEEDED": "SUCCEEDED"}.get(self.run.status().get("state"), "FAILED")
+
+    def outcome(self) -> list:
+        return report.raise_for_run(self.run, reason=self.reason, timeout=self.spec.timeout,
+                                    world_size=self.spec.world_size,
+                                    oom_kills_at_start=self._oom_start)
+
+
+class _ActiveRuns:
+    """Runs still going when the interpreter exits are stopped (the stdin pipe covers a
+    caller that dies without running atexit)."""
+
+    def __init__(self):
+        self._runs: set[LocalRun] = set()
+        self._lock = threading.Lock()
+
+    def add(self, run: LocalRun) -> None:
+        with self._lock:
+            self._runs.add(run)
+
+    def discard(self, run: LocalRun) -> None:
+        with self._lock:
+            self._runs.discard(run)
+
+    def stop_all(self) -> None:
+        with self._lock:
+            runs = list(self._runs)
+        for run in runs:
+            try:
+                run.stop("cancelled")
+            except Exception:
+                pass
+
+
+_ACTIVE = _ActiveRuns()
+
+import atexit  # noqa: E402
+
+atexit.register(_ACTIVE.stop_all)

@@ -1,0 +1,273 @@
+"""``gpulaunch`` command line: run, runs, logs, doctor, plan. Thin: it calls the same code as the
+Python API.
+
+    gpulaunch run --gpus 2 train.py --lr 3e-4      # like torchrun --nproc-per-node 2 train.py
+    gpulaunch run -m mypkg.train
+    gpulaunch run --gpus 2 -- python -c "print(1)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import os
+import shutil
+import signal
+import sys
+import time
+
+from . import errors
+from .launch import hardware, rundir
+from .launch.logstream import LogStreamer, tail_text
+from .launch.rundir import RunDir, read_json
+from .launch.spec import resolve
+
+
+def _add_run(sub) -> None:
+    p = sub.add_parser("run", help="run a script, module or command on every GPU (or CPU workers)",
+                       description="Start N ranks with torchrun's environment (RANK, LOCAL_RANK, "
+                                   "WORLD_SIZE, MASTER_ADDR, ...) and stream their logs.")
+    p.add_argument("--gpus", "--nproc-per-node", "--nproc_per_node", dest="gpus", default=None,
+                   help="ranks on this host (default: every GPU; 2 CPU workers without a GPU)")
+    p.add_argument("--gpu-type", default=None, help="refuse unless the host has this GPU type")
+    p.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped")
+    p.add_argument("--hang-timeout", type=float, default=None,
+                   help="seconds without progress before the run is declared hung")
+    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
+    p.add_argument("--shutdown-grace", type=float, default=5.0)
+    p.add_argument("--logs", default="all", help="which ranks to print: all, rank0, none, or 0,2")
+    p.add_argument("--nnodes", default="1", help="only 1 here (multi-node runs use Ray)")
+    p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
+    p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
+    p.add_argument("--no-python", action="store_true", help="run the program directly (torchrun's "
+                   "flag); same as putting it after --")
+    p.add_argument("target", nargs=argparse.REMAINDER,
+                   help="script.py [args] | -m module [args] | -- command [args]")
+
+
+def _parse_logs(value: str):
+    if value in ("all", "rank0", "none"):
+        return value
+    try:
+        return tuple(int(v) for v in value.split(","))
+    except ValueError:
+        raise errors.ConfigurationError(f"--logs must be all, rank0, none or ranks like 0,2; "
+                                        f"got {value!r}") from None
+
+
+def _entry_from(args) -> dict:
+    target = list(args.target)
+    if target and target[0] == "--":
+        target = target[1:]
+        if not target:
+            raise errors.ConfigurationError("nothing to run after --")
+        return {"kind": "exec", "argv": target}
+    if not target:
+        raise errors.ConfigurationError("gpulaunch run needs a script, -m module, or -- command")
+    if args.module:
+        return {"kind": "module", "argv": target}
+    if args.no_python:
+        return {"kind": "exec", "argv": target}
+    if target[0] == "-m" and len(target) > 1:
+        return {"kind": "module", "argv": target[1:]}
+    if not os.path.exists(target[0]):
+        raise errors.ConfigurationError(f"script {target[0]!r} not found (for a module use -m, "
+                                        "for another program put it after --)")
+    return {"kind": "script", "argv": target}
+
+
+def cmd_run(args) -> int:
+    from .backends.local.launcher import LocalRun
+    if str(args.nnodes) not in ("1", "1:1"):
+        raise errors.ConfigurationError("gpulaunch run starts ranks on this host only; for several "
+                                        "machines use @distributed(remote=True) on a Ray cluster.")
+    gpus = None if args.gpus in (None, "auto", "gpu") else int(args.gpus)
+    spec = resolve(hardware.detect(), gpus=gpus, gpu_type=args.gpu_type, timeout=args.timeout,
+                   hang_timeout=args.hang_timeout, max_restarts=args.max_restarts,
+                   shutdown_grace=args.shutdown_grace, stream_logs=_parse_logs(args.logs))
+    entry = _entry_from(args)
+    label = os.path.basename(entry["argv"][0])
+    run = rundir.create(label)
+    if not os.environ.get("GPULAUNCH_QUIET"):
+        kind = "CPU worker processes (gloo)" if spec.device == "cpu" else "GPU ranks (nccl)"
+        print(f"gpulaunch: run {run.run_id}: {spec.world_size} {kind}", flush=True)
+    local = LocalRun(spec, run, entry, label=label, stream=True).start()
+    try:
+        local.wait()
+    except KeyboardInterrupt:
+        local.stop("cancelled")
+        print("gpulaunch: interrupted; every rank was stopped", file=sys.stderr)
+        return 130
+    try:
+        local.outcome()
+    except errors.RunError as e:
+        print(f"gpulaunch: {e}", file=sys.stderr)
+        code = e.exit_code
+        if code is None:
+            return 1
+        return 128 - code if code < 0 else code
+    except BaseException as e:  # a Python exception raised by the script on some rank
+        rank = getattr(e, "rank", "?")
+        print(f"gpulaunch: rank {rank} raised {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _runs(limit: int) -> list[RunDir]:
+    root = rundir.runs_root()
+    if not root.exists():
+        return []
+    dirs = sorted((p for p in root.iterdir() if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    return [RunDir(p) for p in dirs[-limit:]]
+
+
+def _state(run: RunDir) -> str:
+    state = run.status().get("state", "?")
+    if state == "STOPPED":
+        return "STOPPED"
+    return state
+
+
+def cmd_runs(args) -> int:
+    rows = []
+    for run in _runs(args.limit):
+        launch, status = run.launch(), run.status()
+        start = launch.get("started")
+        end = status.get("ended")
+        rows.append((run.run_id, launch.get("label", "?"),
+                     _dt.datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M:%S") if start else "?",
+                     f"{end - start:.1f}s" if start and end else "-",
+                     str(launch.get("world_size", "?")), _state(run)))
+    if not rows:
+        print(f"no runs under {rundir.runs_root()}")
+        return 0
+    header = ("RUN", "FUNCTION/SCRIPT", "STARTED", "DURATION", "WORLD", "STATUS")
+    widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
+    for row in [header] + rows:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _find_run(ref: str) -> RunDir:
+    root = rundir.runs_root()
+    if os.path.isdir(ref):
+        return RunDir(ref)
+    if ref == "last":
+        runs = _runs(1)
+        if runs:
+            return runs[0]
+    matches = [p for p in root.iterdir() if p.name == ref or p.name.startswith(ref)
+               or p.name.endswith(ref)] if root.exists() else []
+    if len(matches) == 1:
+        return RunDir(matches[0])
+    raise errors.ConfigurationError(f"no single run matches {ref!r} under {root} "
+                                    f"({len(matches)} match); see `gpulaunch runs`")
+
+
+def cmd_logs(args) -> int:
+    run = _find_run(args.run)
+    world = int(run.launch().get("world_size", 1))
+    ranks = [args.rank] if args.rank is not None else list(range(world))
+    attempts = run.attempts()
+    if not attempts:
+        print("(no logs yet)")
+        return 0
+    if not args.follow:
+        for r in ranks:
+            text = tail_text(run.rank_file(attempts[-1], r, "log"), 10**9, max_bytes=1 << 26)
+            for line in text.splitlines():
+                print(f"[rank {r}] {line}" if args.rank is None else line)
+        return 0
+    streamer = LogStreamer(show=lambda r: r in ranks)
+    try:
+        while True:
+            for a in run.attempts():
+                for r in ranks:
+                    streamer.watch(r, run.rank_file(a, r, "log"))
+            streamer.pump()
+            if run.status().get("state") in ("SUCCEEDED", "FAILED", "STOPPED", "AGENT_ERROR"):
+                streamer.pump(final=True)
+                return 0
+            time.sleep(0.2)
+    except KeyboardInterrupt:
+        return 130
+
+
+def cmd_doctor(args) -> int:
+    import platform
+    host = hardware.detect()
+    print(f"gpulaunch   {__import__('gpulaunch').__version__}")
+    print(f"python      {platform.python_version()} ({sys.executable})")
+    try:
+        import torch
+        print(f"torch       {torch.__version__} (cuda build: {torch.version.cuda or 'no'})")
+    except ImportError:
+        print("torch       NOT INSTALLED: pip install torch")
+    print(f"host        {host.describe()} [found via {host.source}]")
+    for g in host.gpus:
+        print(f"  gpu {g.index}: {g.name}, {g.memory_bytes / 2**30:.1f} GiB, type "
+              f"{g.gpu_type.name if g.gpu_type else 'unknown'}")
+    try:
+        shm = shutil.disk_usage("/dev/shm").total
+        warn = "  (small: DataLoader workers may fail; give the container --shm-size=8g)" \
+            if shm < 1 << 30 else ""
+        print(f"/dev/shm    {shm / 2**30:.1f} GiB{warn}")
+    except OSError:
+        print("/dev/shm    missing")
+    print(f"run dirs    {rundir.runs_root()}")
+    for var in ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_P2P_DISABLE",
+                "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT"):
+        if var in os.environ:
+            print(f"env         {var}={os.environ[var]}")
+    if args.smoke:
+        from .api import distributed
+        from . import runtime as rt
+
+        def _smoke():
+            import torch
+            import torch.distributed as dist
+            rt.init()
+            t = torch.ones(1, device=rt.device())
+            dist.all_reduce(t)
+            return t.item()
+        n = 2 if not host.has_gpu else len(host.gpus)
+        t0 = time.perf_counter()
+        out = distributed(gpus=n, stream_logs="none")(_smoke).distributed()
+        ok = all(v == n for v in out)
+        print(f"smoke       {n} ranks, all_reduce {'OK' if ok else 'WRONG: ' + str(out)} "
+              f"in {time.perf_counter() - t0:.1f} s")
+        return 0 if ok else 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="gpulaunch", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    _add_run(sub)
+    p = sub.add_parser("runs", help="list recent runs")
+    p.add_argument("--limit", type=int, default=20)
+    p = sub.add_parser("logs", help="print a run's logs")
+    p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
+    p.add_argument("--rank", type=int, default=None)
+    p.add_argument("--follow", "-f", action="store_true")
+    p = sub.add_parser("doctor", help="what this host has, and whether a launch works")
+    p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
+    planner = None
+    try:
+        from .planner import cli as planner
+        planner.add_parser(sub)
+    except ImportError:
+        planner = None
+    args = parser.parse_args(argv)
+    handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor}
+    try:
+        if args.command == "plan" and planner is not None:
+            return planner.main(args)
+        return handlers[args.command](args)
+    except errors.UserError as e:
+        print(f"gpulaunch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,124 @@
+"""Every exception gpulaunch raises, in one place.
+
+Two families, so callers can tell them apart:
+
+* ``UserError``: the call itself was wrong (bad arguments, a GPU the host does not have, an
+  argument that cannot be pickled). Raised before any process starts. Each also derives from
+  the built-in exception a Python user would expect (``ValueError``/``TypeError``), so existing
+  ``except ValueError`` code keeps working.
+* ``RunError``: the run started and then failed for a reason that is not a Python exception
+  raised by the user's function (a rank crashed, was killed, hung, timed out, was cancelled).
+
+A Python exception raised inside a rank is re-raised in the caller *as itself* (its original
+class), with the remote traceback chained as its ``__cause__``; only when that object cannot be
+rebuilt does the caller get a ``RemoteError``.
+"""
+
+from __future__ import annotations
+
+
+class GpulaunchError(Exception):
+    """Base class of every error raised by gpulaunch."""
+
+
+# --------------------------------------------------------------------------- user mistakes
+class UserError(GpulaunchError):
+    """The call was wrong; nothing was started."""
+
+
+class ConfigurationError(UserError, ValueError):
+    """Invalid decorator or launch settings (conflicting arguments, bad values)."""
+
+
+class GPUValidationError(ConfigurationError):
+    """The requested GPU count cannot be satisfied on this host."""
+
+
+class GPUTypeError(ConfigurationError):
+    """The requested GPU type is unknown or is not what this host has."""
+
+
+class ArgumentError(UserError, TypeError):
+    """The arguments do not match the function's signature."""
+
+
+class SerializationError(UserError, TypeError):
+    """The function, an argument or a return value cannot be pickled (or is too large)."""
+
+
+# Spellings used by the seed product (serverless_gpu / databricks.air), kept so ported code that
+# catches them keeps working.
+RuntimeConfigurationError = ConfigurationError
+
+
+# --------------------------------------------------------------------------- run failures
+class RunError(GpulaunchError):
+    """The run started and did not finish successfully.
+
+    Attributes give the root cause: ``rank`` (global rank that failed first, or None),
+    ``host``, ``exit_code`` (the process exit code; negative means killed by that signal),
+    ``log_tail`` (last lines that rank printed) and ``run_dir``.
+    """
+
+    def __init__(self, message: str, *, rank: int | None = None, host: str | None = None,
+                 exit_code: int | None = None, log_tail: str = "", run_dir: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.host = host
+        self.exit_code = exit_code
+        self.log_tail = log_tail
+        self.run_dir = run_dir
+
+
+class WorkerCrashError(RunError):
+    """A rank exited without a Python exception: ``os._exit``, ``sys.exit(n)``, a signal
+    (SIGKILL from the OOM killer, SIGSEGV, ...)."""
+
+
+class RemoteError(RunError):
+    """A rank raised an exception whose object could not be rebuilt in the caller.
+
+    ``remote_type`` is the exception's qualified class name and ``remote_traceback`` its
+    traceback text as printed in the worker.
+    """
+
+    def __init__(self, message: str, *, remote_type: str = "", remote_traceback: str = "", **kw):
+        super().__init__(message, **kw)
+        self.remote_type = remote_type
+        self.remote_traceback = remote_traceback
+
+
+class RunTimeoutError(RunError, TimeoutError):
+    """The run exceeded the ``timeout=`` given to the decorator; every process was stopped."""
+
+
+LocalExecutionTimeoutError = RunTimeoutError  # the seed product's name
+
+
+class HangError(RunError):
+    """The hang watchdog (``hang_timeout=``) saw a rank make no progress; the error message
+    carries the Python stack of every rank at that moment (``stacks``: rank -> text)."""
+
+    def __init__(self, message: str, *, stacks: dict[int, str] | None = None, **kw):
+        super().__init__(message, **kw)
+        self.stacks = stacks or {}
+
+
+class RunCancelledError(RunError):
+    """The run was cancelled (``handle.cancel()``) before it finished."""
+
+
+class LaunchError(RunError):
+    """The processes could not be started (agent failed, rendezvous failed, ...)."""
+
+
+class RemoteTraceback(Exception):
+    """Carries a worker's traceback text; chained as ``__cause__`` of re-raised exceptions so
+    Python prints the remote traceback right above the local one."""
+
+    def __init__(self, text: str):
+        super().__init__(text)
+        self.text = text
+
+    def __str__(self) -> str:
+        return self.text

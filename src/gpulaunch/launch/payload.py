@@ -1,0 +1,182 @@
+"""Ship the function and its arguments to the ranks, and results/errors back.
+
+Everything travels by value with cloudpickle, so functions, lambdas, closures and classes
+defined in ``__main__``, a REPL or a notebook cell work under a fresh interpreter (spawn). A
+function that lives in a local, uninstalled module (``train.py`` next to the notebook) is
+pickled by value too, so the ranks do not need to import that module.
+
+Each argument is pickled on its own first, so a failure or an oversized argument is reported
+by name before any process starts.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import linecache
+import os
+import sys
+import sysconfig
+import traceback
+import types
+from pathlib import Path
+
+import cloudpickle
+
+from ..errors import SerializationError
+
+DEFAULT_MAX_ARG_BYTES = 1 << 30   # 1 GiB: past this, load the data inside the function
+
+
+def _human(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def _installed_roots() -> list[str]:
+    roots = set()
+    for key in ("stdlib", "platstdlib", "purelib", "platlib"):
+        p = sysconfig.get_paths().get(key)
+        if p:
+            roots.add(os.path.realpath(p))
+    for p in sys.path:
+        if p and ("site-packages" in p or "dist-packages" in p):
+            roots.add(os.path.realpath(p))
+    return sorted(roots)
+
+
+def _is_local_module(module: types.ModuleType | None) -> bool:
+    """A module imported from the user's own files rather than from an installed package."""
+    if module is None or module.__name__ == "__main__":
+        return False
+    path = getattr(module, "__file__", None)
+    if not path:
+        return False
+    real = os.path.realpath(path)
+    return not any(real.startswith(root + os.sep) for root in _installed_roots())
+
+
+def _code_reduce_keeping_filename(code: types.CodeType):
+    """cloudpickle >= 3.1 renames every shipped code object's file to "<dynamic-code>" (for
+    deterministic pickles). We want the ranks' tracebacks to name the real file and line, so
+    the original name is put back."""
+    ctor, args = cloudpickle.cloudpickle._code_reduce(code)
+    args = tuple(code.co_filename if a == "<dynamic-code>" else a for a in args)
+    return ctor, args
+
+
+class _Pickler(cloudpickle.Pickler):
+    dispatch_table = collections.ChainMap({types.CodeType: _code_reduce_keeping_filename},
+                                          cloudpickle.Pickler.dispatch_table)
+
+
+def _dumps(obj) -> bytes:
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=5).dump(obj)
+    return buf.getvalue()
+
+
+def _source_lines(func) -> dict[str, list[str]]:
+    """Source of code that lives only in the caller's memory (a notebook cell, ``python -c``),
+    so tracebacks in the ranks can show the lines."""
+    code = getattr(func, "__code__", None)
+    if code is None or os.path.exists(code.co_filename):
+        return {}
+    lines = linecache.getlines(code.co_filename)
+    return {code.co_filename: lines} if lines else {}
+
+
+def serialize_call(func, args: tuple, kwargs: dict, *, arg_names: dict[int, str] | None = None,
+                   max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES) -> bytes:
+    """Pickle ``func(*args, **kwargs)`` into one blob, naming the culprit on any failure."""
+    module = sys.modules.get(getattr(func, "__module__", None) or "")
+    by_value = _is_local_module(module)
+    if by_value:
+        cloudpickle.register_pickle_by_value(module)
+    try:
+        try:
+            fn_blob = _dumps(func)
+        except Exception as e:
+            raise SerializationError(
+                f"The function {getattr(func, '__qualname__', func)!r} cannot be pickled: {e}. "
+                "It probably captures a non-picklable object (an open file, a lock, a database "
+                "connection, a CUDA context) in a closure or global: create that object inside "
+                "the function instead.") from e
+        if len(fn_blob) > max_arg_bytes:
+            raise SerializationError(
+                f"The function {func.__qualname__!r} pickles to {_human(len(fn_blob))} (limit "
+                f"{_human(max_arg_bytes)}): it captures large objects (a dataset or tensor in a "
+                "global or closure). Load the data inside the function instead.")
+        arg_blobs = []
+        items = [(arg_names.get(i, f"positional argument {i}") if arg_names else
+                  f"positional argument {i}", a) for i, a in enumerate(args)]
+        items += [(f"argument {k!r}", v) for k, v in kwargs.items()]
+        for label, value in items:
+            try:
+                blob = _dumps(value)
+            except Exception as e:
+                raise SerializationError(
+                    f"{label[0].upper() + label[1:]} (a {type(value).__name__}) cannot be "
+                    f"pickled: {e}. Pass something picklable (a path, a config) and build the "
+                    "object inside the function.") from e
+            if len(blob) > max_arg_bytes:
+                raise SerializationError(
+                    f"{label[0].upper() + label[1:]} pickles to {_human(len(blob))}, above the "
+                    f"{_human(max_arg_bytes)} limit. Every rank would load a copy: load the data "
+                    "inside the function (from a file path or URL) instead of passing it.")
+            arg_blobs.append(blob)
+        envelope = {
+            "func": fn_blob,
+            "args": arg_blobs[:len(args)],
+            "kwargs": dict(zip(kwargs.keys(), arg_blobs[len(args):])),
+            "sys_path": [p for p in sys.path if p],
+            "sources": _source_lines(func),
+            "python": sys.version_info[:3],
+        }
+        return _dumps(envelope)
+    finally:
+        if by_value:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
+def load_call(path: Path):
+    """In a rank: return (func, args, kwargs) from the payload file."""
+    import pickle
+    with open(path, "rb") as f:
+        envelope = pickle.load(f)
+    if tuple(envelope["python"][:2]) != sys.version_info[:2]:
+        raise RuntimeError(f"The payload was written by Python {envelope['python']} but this rank "
+                           f"runs Python {sys.version_info[:3]}; use the same interpreter.")
+    for filename, lines in envelope.get("sources", {}).items():
+        linecache.cache[filename] = (sum(map(len, lines)), None, lines, filename)
+    for p in envelope["sys_path"]:
+        if p not in sys.path:
+            sys.path.append(p)
+    func = pickle.loads(envelope["func"])
+    args = tuple(pickle.loads(b) for b in envelope["args"])
+    kwargs = {k: pickle.loads(b) for k, b in envelope["kwargs"].items()}
+    return func, args, kwargs
+
+
+# ----------------------------------------------------------------------- errors as data
+def exception_record(exc: BaseException, *, rank: int, host: str, tb: str | None = None,
+                     extra: str = "") -> dict:
+    """What a rank writes when its function raised: enough to rebuild or describe the error."""
+    if tb is None:
+        tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
+    try:
+        blob = _dumps(exc)
+        cloudpickle.loads(blob)  # make sure the caller will be able to rebuild it
+    except Exception:
+        blob = None
+    return {
+        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
+        "message": str(exc),
+        "traceback": tb + (f"\n{extra}" if extra else ""),
+        "exception": blob,
+        "rank": rank,
+        "host": host,
+    }

@@ -1,0 +1,220 @@
+"""The entry point every rank runs: ``python -m gpulaunch.launch.worker RUN_DIR``.
+
+It loads the function and arguments, runs them, and writes the return value or the exception
+(with its full traceback) into the run directory. It knows nothing about which backend started
+it: all it reads is the torchrun environment (RANK, LOCAL_RANK, ...) and GPULAUNCH_* variables.
+
+It also installs the rank's safety nets before any user code runs:
+  * the parent-death signal, so a rank never outlives its agent;
+  * faulthandler, so a segfault prints the Python stack into the rank's log, and SIGUSR1 dumps
+    every thread's stack into ``rank<r>.stacks`` (used by the hang watchdog);
+  * the stall watchdog when ``hang_timeout`` is set.
+
+And it ends with ``os._exit`` after flushing and running atexit handlers, so a rank that
+finished can never hang at interpreter shutdown (a stray non-daemon thread, a process-group
+destructor racing its peers).
+"""
+
+from __future__ import annotations
+
+import atexit
+import faulthandler
+import json
+import os
+import signal
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from . import procutil
+from .payload import exception_record
+from .rundir import RunDir, hostname, write_json_atomic
+
+COLLATERAL_PATTERNS = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
+    "NCCL communicator was aborted", "ProcessGroupNCCL is aborted", "DistNetworkError",
+    "recvValue failed", "Socket Timeout", "Connection refused",
+)
+
+
+def _write_bytes_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, path)
+
+
+def _write_elastic_error_file(exc: BaseException, tb: str) -> None:
+    """torchelastic's own error-file format, so its ProcessFailure shows message and time."""
+    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not path:
+        return
+    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+                        "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
+    try:
+        with open(path, "w") as f:
+            json.dump(data, f)
+    except OSError:
+        pass
+
+
+def _cuda_memory_report(exc: BaseException) -> str:
+    torch = sys.modules.get("torch")
+    if torch is None or "out of memory" not in str(exc).lower():
+        return ""
+    try:
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            return "CUDA memory summary at the time of the error:\n" + torch.cuda.memory_summary()
+    except Exception:
+        pass
+    return ""
+
+
+def _shutdown_process_group() -> None:
+    dist = sys.modules.get("torch.distributed")
+    if dist is None:
+        return
+    try:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+    except Exception:
+        pass
+
+
+def _finish(code: int) -> None:
+    _shutdown_process_group()
+    try:
+        atexit._run_exitfuncs()
+    except Exception:
+        traceback.print_exc()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:
+            pass
+    os._exit(code)
+
+
+def main(argv: list[str]) -> None:
+    run = RunDir(argv[0])
+    parent = os.getppid()
+    procutil.set_parent_death_signal(signal.SIGKILL)
+    if os.getppid() != parent:  # the agent died before we armed the signal
+        os._exit(1)
+    os.dup2(1, 2)  # one ordered log per rank: stderr joins stdout's file
+
+    rank = int(os.environ.get("RANK", "0"))
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    host = hostname()
+    stacks_file = open(run.rank_file(attempt, rank, "stacks"), "w")
+    faulthandler.enable(file=sys.stderr, all_threads=True)
+    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
+    write_json_atomic(run.rank_file(attempt, rank, "info.json"), {
+        "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
+        "host": host, "attempt": attempt, "started": time.time()})
+
+    watchdog = None
+    hang_timeout = float(os.environ.get("GPULAUNCH_HANG_TIMEOUT") or 0)
+    if hang_timeout > 0:
+        from .watchdog import StallWatchdog
+        watchdog = StallWatchdog(hang_timeout, str(run.rank_file(attempt, rank, "stuck")), rank)
+        watchdog.start()
+
+    try:
+        result = _entry(run)()
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+        if code == 0:
+            result = None
+        else:
+            tb = _user_traceback(e)
+            sys.stderr.write(tb)
+            record = exception_record(e, rank=rank, host=host, tb=tb)
+            record["exit_code"] = code
+            _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
+            _write_elastic_error_file(e, tb)
+            _finish(code)
+            return
+    except BaseException as e:  # noqa: BLE001 - everything must be reported
+        tb = _user_traceback(e)
+        sys.stderr.write(tb)
+        record = exception_record(e, rank=rank, host=host, tb=tb,
+                                  extra=_cuda_memory_report(e))
+        record["collateral"] = any(p in str(e) for p in COLLATERAL_PATTERNS)
+        record["time"] = time.time()
+        _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
+        _write_elastic_error_file(e, tb)
+        _finish(1)
+        return
+    finally:
+        if watchdog is not None:
+            watchdog.stop()
+
+    try:
+        import cloudpickle
+        blob = cloudpickle.dumps(result, protocol=5)
+    except Exception as e:  # an unpicklable return value is this rank's failure
+        from ..errors import SerializationError
+        err = SerializationError(
+            f"Rank {rank} returned a {type(result).__module__}.{type(result).__qualname__} that "
+            f"cannot be pickled ({e}). Return plain data (numbers, dicts, lists, CPU tensors, "
+            "state_dicts) instead.")
+        tb = "".join(traceback.format_exception(type(err), err, None))
+        sys.stderr.write(tb)
+        record = exception_record(err, rank=rank, host=host, tb=tb)
+        record["time"] = time.time()
+        _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
+        _write_elastic_error_file(err, tb)
+        _finish(1)
+        return
+    _write_bytes_atomic(run.rank_file(attempt, rank, "result.pkl"), blob)
+    _finish(0)
+
+
+def _entry(run: RunDir):
+    """What this rank runs: the shipped function, a script, a module, or any command."""
+    entry = run.launch().get("entry", {"kind": "function"})
+    kind = entry["kind"]
+    if kind == "function":
+        from .payload import load_call
+        func, args, kwargs = load_call(run.payload)
+        return lambda: func(*args, **kwargs)
+    import runpy
+    argv = list(entry.get("argv", []))
+    if kind == "script":
+        def run_script():
+            sys.argv = argv
+            sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
+            runpy.run_path(argv[0], run_name="__main__")
+        return run_script
+    if kind == "module":
+        def run_module():
+            sys.argv = argv
+            sys.path.insert(0, os.getcwd())
+            runpy.run_module(argv[0], run_name="__main__", alter_sys=True)
+        return run_module
+    if kind == "exec":
+        def run_exec():
+            for stream in (sys.stdout, sys.stderr):
+                stream.flush()
+            os.execvp(argv[0], argv)  # keeps the pid and the parent-death signal
+        return run_exec
+    raise ValueError(f"unknown entry kind {kind!r}")
+
+
+def _user_traceback(exc: BaseException) -> str:
+    """The traceback without gpulaunch's own frames above the user's code."""
+    tb = exc.__traceback__
+    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
+        tb = tb.tb_next
+    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _pickle(obj) -> bytes:
+    import pickle
+    return pickle.dumps(obj, protocol=5)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,170 @@
+"""What code inside a rank asks: who am I, how many are we, and a ready process group.
+
+    from gpulaunch import runtime as rt
+    device = rt.init()              # nccl on GPUs (device bound) or gloo on CPU; returns device
+    rt.print0("only rank 0 prints this")
+
+Values come from ``torch.distributed`` once it is initialised, else from the torchrun
+environment (RANK, LOCAL_RANK, ...). If both exist and disagree, that is a launcher bug or a
+misconfigured environment, and we say so rather than guess. Outside any launcher the helpers
+describe a world of one, and ``init()`` creates a one-rank group, so the same function can be
+debugged with ``train.func(...)``.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+
+from .errors import ConfigurationError
+from .launch.watchdog import heartbeat  # noqa: F401 - re-exported
+
+DEFAULT_PG_TIMEOUT_S = 1800.0
+
+
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    return int(value) if value not in (None, "") else default
+
+
+def _dist():
+    try:
+        import torch.distributed as dist
+    except ImportError:
+        return None
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+def get_global_rank(group=None) -> int:
+    dist = _dist()
+    env_rank = _env_int("RANK", 0)
+    if dist is None:
+        return env_rank
+    rank = dist.get_rank(group)
+    if group is None and "RANK" in os.environ and rank != env_rank:
+        raise ConfigurationError(f"torch.distributed says rank {rank} but RANK={env_rank}: the "
+                                 "process group was initialised with settings that contradict "
+                                 "the launcher's environment.")
+    return rank
+
+
+def get_world_size(group=None) -> int:
+    dist = _dist()
+    env_world = _env_int("WORLD_SIZE", 1)
+    if dist is None:
+        return env_world
+    world = dist.get_world_size(group)
+    if group is None and "WORLD_SIZE" in os.environ and world != env_world:
+        raise ConfigurationError(f"torch.distributed says world size {world} but "
+                                 f"WORLD_SIZE={env_world}.")
+    return world
+
+
+def get_local_rank() -> int:
+    return _env_int("LOCAL_RANK", 0)
+
+
+def get_local_world_size() -> int:
+    return _env_int("LOCAL_WORLD_SIZE", 1)
+
+
+def get_node_rank() -> int:
+    return _env_int("NODE_RANK", _env_int("GROUP_RANK", 0))
+
+
+def get_replica_rank() -> int:
+    return _env_int("REPLICA_RANK", 0)
+
+
+def get_restart_count() -> int:
+    """0 on the first attempt, then 1, 2, ... after each whole-group restart (max_restarts)."""
+    return _env_int("TORCHELASTIC_RESTART_COUNT", 0)
+
+
+def get_run_dir() -> str | None:
+    return os.environ.get("GPULAUNCH_RUN_DIR")
+
+
+def is_main() -> bool:
+    return get_global_rank() == 0
+
+
+def print0(*args, **kwargs) -> None:
+    """print() on global rank 0 only."""
+    if is_main():
+        kwargs.setdefault("flush", True)
+        print(*args, **kwargs)
+
+
+def _free_loopback_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def device():
+    """This rank's device: ``cuda:<local_rank>`` on a GPU rank, else ``cpu``."""
+    import torch
+    if _wants_cuda():
+        return torch.device("cuda", get_local_rank())
+    return torch.device("cpu")
+
+
+def _wants_cuda() -> bool:
+    if os.environ.get("GPULAUNCH_DEVICE") == "cpu":
+        return False
+    import torch
+    return torch.cuda.is_available() and get_local_rank() < torch.cuda.device_count()
+
+
+def init(backend: str | None = None, timeout: float | None = None):
+    """Create the default process group (once) and bind this rank's device; return the device.
+
+    backend: "nccl" on GPU ranks, "gloo" on CPU ranks by default; any torch backend string
+        (e.g. "cpu:gloo,cuda:nccl") is accepted.
+    timeout: collective timeout in seconds (default 30 minutes).
+    """
+    import torch
+    import torch.distributed as dist
+
+    dev = device()
+    if dev.type == "cuda":
+        torch.cuda.set_device(dev)
+    if dist.is_initialized():
+        return dev
+    if "RANK" not in os.environ:  # not launched: a world of one, for debugging with .func()
+        os.environ.setdefault("RANK", "0")
+        os.environ.setdefault("LOCAL_RANK", "0")
+        os.environ.setdefault("WORLD_SIZE", "1")
+        os.environ.setdefault("LOCAL_WORLD_SIZE", "1")
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_loopback_port()))
+    if backend is None:
+        backend = "nccl" if dev.type == "cuda" else "gloo"
+    seconds = timeout if timeout is not None else float(
+        os.environ.get("GPULAUNCH_PG_TIMEOUT", DEFAULT_PG_TIMEOUT_S))
+    kwargs = {"backend": backend, "timeout": datetime.timedelta(seconds=seconds)}
+    if dev.type == "cuda":
+        kwargs["device_id"] = dev   # eager NCCL init, bound to this GPU
+    dist.init_process_group(**kwargs)
+    return dev
+
+
+def barrier() -> None:
+    """A barrier across all ranks (no-op when no process group exists)."""
+    dist = _dist()
+    if dist is None:
+        return
+    if dist.get_backend() == "nccl":
+        import torch
+        dist.barrier(device_ids=[torch.cuda.current_device()])
+    else:
+        dist.barrier()
+
+
+def shutdown() -> None:
+    """Destroy the process group if one exists (the worker also does this on exit)."""
+    dist = _dist()
+    if dist is not None:
+        dist.destroy_process_group()

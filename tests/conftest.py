@@ -1,0 +1,76 @@
+"""Shared fixtures. Every launch in the tests is real: real processes, real gloo collectives."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(autouse=True)
+def gpulaunch_home(tmp_path, monkeypatch):
+    """Each test gets its own run-directory root, and CPU workers even on a GPU host."""
+    monkeypatch.setenv("GPULAUNCH_HOME", str(tmp_path / "gpulaunch-home"))
+    monkeypatch.setenv("GPULAUNCH_FORCE_CPU", "1")
+    monkeypatch.setenv("GPULAUNCH_QUIET", "1")
+    yield tmp_path / "gpulaunch-home"
+
+
+def run_pids(run_dir) -> set[int]:
+    """Every pid a run recorded: the agent and each rank of each attempt."""
+    from gpulaunch.launch.rundir import RunDir, read_json
+    run = RunDir(run_dir)
+    pids = set()
+    status = run.status()
+    if status.get("agent_pid"):
+        pids.add(int(status["agent_pid"]))
+    pids.update(int(p) for p in (status.get("pids") or {}).values())
+    for a in run.attempts():
+        for info in run.attempt_dir(a).glob("rank*.info.json"):
+            pid = (read_json(info, {}) or {}).get("pid")
+            if pid:
+                pids.add(int(pid))
+    return pids
+
+
+def alive(pids) -> list[int]:
+    out = []
+    for pid in pids:
+        try:
+            p = psutil.Process(pid)
+            if p.status() != psutil.STATUS_ZOMBIE:
+                out.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def assert_no_survivors(run_dir, wait: float = 5.0) -> None:
+    pids = run_pids(run_dir)
+    assert pids, f"the run at {run_dir} recorded no pids; cannot check hygiene"
+    deadline = time.monotonic() + wait
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive(pids), f"processes of the run survived: {alive(pids)}"
+
+
+def latest_run_dir(home: Path) -> Path:
+    runs = sorted((home / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    return runs[-1]
+
+
+def python_env(extra: dict | None = None) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "src")] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p])
+    if extra:
+        env.update(extra)
+    return env
+
+
+PY = sys.executable
