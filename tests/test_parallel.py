@@ -1,6 +1,8 @@
 """gpulaunch.parallel on CPU with gloo and 2 real processes: equivalence, checkpoints, export, crashes.
 
-Every multi-process test runs real ranks (spawned processes, gloo collectives); nothing is mocked.
+Every multi-process test runs real ranks through gpulaunch's own launcher (CPU workers, gloo
+collectives); nothing is mocked. The crash tests make a rank SIGKILL itself at a chosen point of
+the save (a test-side patch of the save's internals inside that rank), then check the files.
 The reference is plain single-process PyTorch on the concatenated global batch, written here
 without gpulaunch, so a strategy that silently does not train (or trains differently) fails.
 
@@ -14,12 +16,9 @@ instead of a mean, a missed step, a stale optimizer) moves the losses by >1e-2 w
 
 from __future__ import annotations
 
-import datetime
 import os
 import signal
-import socket
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -56,38 +55,17 @@ needs_ds = pytest.mark.skipif(not HAVE_DS, reason="deepspeed not installed (pip 
 
 
 # ----------------------------------------------------------------------------- launching ranks
-# Test-only launcher: real processes, free loopback port, gloo. To be replaced by
-# gpulaunch.distributed once the core launcher is merged.
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank_entry(i, fn, world, port, outdir, args):
-    os.environ.update(RANK=str(i), LOCAL_RANK=str(i), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
-                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=i, world_size=world, timeout=datetime.timedelta(seconds=180))
-    out = fn(*args)
-    torch.save(out, os.path.join(outdir, f"rank{i}.pt"))
-    dist.barrier()
-    dist.destroy_process_group()
-    # Skip interpreter teardown: ~1 run in 4 aborted there ("terminate called without an active
-    # exception", SIGABRT) after all work and the result file were done (a native thread's destructor).
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
-
-
 def run_ranks(fn, *args, world=WORLD):
-    """Run ``fn(*args)`` on ``world`` gloo ranks; return the per-rank results."""
-    import torch.multiprocessing as mp
+    """Run ``fn(*args)`` on ``world`` real CPU ranks (gloo) through gpulaunch's own launcher."""
+    from gpulaunch import distributed, runtime as rt
 
-    with tempfile.TemporaryDirectory() as outdir:
-        mp.start_processes(_rank_entry, args=(fn, world, _free_port(), outdir, args), nprocs=world,
-                           join=True, start_method="spawn")
-        return [torch.load(os.path.join(outdir, f"rank{i}.pt"), weights_only=False) for i in range(world)]
+    @distributed(gpus=world, stream_logs="none", timeout=300,
+                 env={"TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]})
+    def job(*a):
+        rt.init()
+        return fn(*a)
+
+    return job.distributed(*args)
 
 
 # ----------------------------------------------------------------------------- data and reference
@@ -372,12 +350,12 @@ def job_load_after_crash(strategy, root, probe_dir):
     pytest.param("zero3", "mid_write", False, marks=needs_ds),
 ])
 def test_killed_while_saving_leaves_previous_checkpoint(strategy, where, url, tmp_path):
-    import torch.multiprocessing as tmp_mp
+    from gpulaunch.errors import WorkerCrashError
 
     root = str(tmp_path / "ckpt")
     os.makedirs(root)
     ckpt_root = f"file://{root}" if url else root
-    with pytest.raises(tmp_mp.ProcessExitedException):
+    with pytest.raises(WorkerCrashError, match="killed by SIGKILL"):
         run_ranks(job_crash_during_save, strategy, ckpt_root, where, str(tmp_path))
     # the half-written step 2 exists on disk but does not count
     leftovers = [n for n in os.listdir(root) if "step_00000002" in n]
