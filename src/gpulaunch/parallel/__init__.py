@@ -1,0 +1,27 @@
+"""``gpulaunch.parallel``: one ``prepare()`` for DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, checkpoints
+that every strategy saves and loads atomically, ``export()`` to one plain file, and data helpers.
+
+    from gpulaunch.parallel import prepare, save_checkpoint, load_checkpoint
+
+    p = prepare(model, lambda ps: torch.optim.AdamW(ps, lr=3e-4), strategy="fsdp", mixed_precision="bf16")
+    for step, (x, y) in enumerate(loader, 1):
+        loss = p.model(x, y)
+        p.backward(loss); p.step(); p.zero_grad()
+        if step % 100 == 0:
+            save_checkpoint("ckpts/", p, step=step)
+
+See docs/choosing-a-technique.md for which strategy to pick.
+"""
+
+from .blocks import find_blocks
+from .checkpoint import export, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .data import DistributedLoader, ShardedFileDataset, distributed_loader, read_lines, seed_everything
+from ._env import ParallelError
+from .strategies import STRATEGIES, Prepared, deepspeed_config, estimate_training_bytes, prepare
+
+__all__ = [
+    "prepare", "Prepared", "STRATEGIES", "ParallelError", "find_blocks", "deepspeed_config",
+    "estimate_training_bytes", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
+    "list_checkpoints", "export", "distributed_loader", "DistributedLoader", "ShardedFileDataset",
+    "read_lines", "seed_everything",
+]

@@ -1,0 +1,201 @@
+"""Data helpers: a distributed DataLoader and a dataset that shards a list of files.
+
+``distributed_loader`` gives each rank a disjoint slice of a map-style dataset
+(``DistributedSampler``), reshuffles per epoch with ``loader.set_epoch(epoch)``, and seeds every
+loader worker from (seed, epoch, rank, worker) so random augmentation differs across ranks and
+workers but is reproducible.
+
+``ShardedFileDataset`` splits a list of files (local paths, globs or fsspec URLs) into
+``world_size * num_workers`` disjoint streams: rank r's worker w reads files
+``order[r * W + w :: R * W]``. Every rank must use the same ``num_workers``;
+``distributed_loader`` checks that with a collective.
+"""
+
+from __future__ import annotations
+
+import random
+import warnings
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+
+from . import _env
+from ._env import ParallelError, is_url
+
+__all__ = ["distributed_loader", "DistributedLoader", "ShardedFileDataset", "read_lines", "seed_everything"]
+
+
+def seed_everything(seed: int) -> None:
+    """Seed Python, NumPy (if present) and torch (all devices) alike on this process."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2 ** 32)
+    except ImportError:
+        pass
+
+
+class _WorkerSeeder:
+    """Picklable ``worker_init_fn``: a distinct, reproducible seed per (seed, epoch, rank, worker)."""
+
+    def __init__(self, seed: int, rank: int, user_fn: Optional[Callable] = None):
+        self.seed, self.rank, self.user_fn, self.epoch = seed, rank, user_fn, 0
+
+    def __call__(self, worker_id: int):
+        s = (self.seed * 1_000_003 + self.epoch * 10_007 + self.rank * 101 + worker_id) % 2 ** 63
+        seed_everything(s)
+        if self.user_fn is not None:
+            self.user_fn(worker_id)
+
+
+class DistributedLoader(DataLoader):
+    """A ``DataLoader`` whose ``set_epoch(epoch)`` reaches its sampler, its dataset and its worker seeds."""
+
+    def set_epoch(self, epoch: int) -> None:
+        if hasattr(self.sampler, "set_epoch"):
+            self.sampler.set_epoch(epoch)
+        if hasattr(self.dataset, "set_epoch"):
+            self.dataset.set_epoch(epoch)
+        if isinstance(self.worker_init_fn, _WorkerSeeder):
+            self.worker_init_fn.epoch = epoch
+        if self.generator is not None:
+            self.generator.manual_seed(self._gl_seed + epoch)
+
+
+def distributed_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
+                       drop_last: bool = False, num_workers: int = 0,
+                       rank: Optional[int] = None, world_size: Optional[int] = None,
+                       **loader_kwargs) -> DistributedLoader:
+    """A ``DataLoader`` for this rank: ``batch_size`` is per rank (global batch = batch_size * world).
+
+    Map-style datasets get a ``DistributedSampler`` (shuffled with ``seed + epoch``, same order
+    on all ranks, disjoint slices). Iterable datasets must shard themselves (see
+    :class:`ShardedFileDataset`). Call ``loader.set_epoch(epoch)`` at the start of each epoch.
+    """
+    if "sampler" in loader_kwargs:
+        raise ParallelError("distributed_loader builds its own DistributedSampler; use a plain DataLoader "
+                            "if you need a custom sampler")
+    rank = _env.rank() if rank is None else rank
+    world_size = _env.world_size() if world_size is None else world_size
+    if isinstance(dataset, IterableDataset):
+        sampler = None
+        if isinstance(dataset, ShardedFileDataset):
+            _check_same_num_workers(num_workers)
+            dataset.num_workers_hint = num_workers
+        if shuffle and not isinstance(dataset, ShardedFileDataset):
+            warnings.warn("shuffle=True is ignored for an IterableDataset: it must shuffle itself", stacklevel=2)
+        shuffle = False
+    else:
+        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                     seed=seed, drop_last=drop_last)
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    loader = DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
+                               num_workers=num_workers, generator=gen,
+                               worker_init_fn=_WorkerSeeder(seed, rank, loader_kwargs.pop("worker_init_fn", None)),
+                               persistent_workers=False, **loader_kwargs)
+    loader._gl_seed = seed
+    return loader
+
+
+def _check_same_num_workers(num_workers: int) -> None:
+    if not _env.is_dist():
+        return
+    got: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(got, int(num_workers))
+    if len(set(got)) > 1:
+        raise ParallelError(f"every rank must use the same num_workers with a ShardedFileDataset "
+                            f"(streams are world_size * num_workers); got {got} across ranks")
+
+
+def read_lines(f) -> Iterator[str]:
+    """Default reader: one sample per text line (UTF-8, newline stripped)."""
+    for line in f:
+        yield line.decode("utf-8").rstrip("\n") if isinstance(line, bytes) else line.rstrip("\n")
+
+
+def _expand(files: Union[str, Sequence[str]]) -> list[str]:
+    if isinstance(files, str):
+        files = [files]
+    out: list[str] = []
+    for f in files:
+        f = str(f)
+        if any(ch in f for ch in "*?["):
+            import fsspec
+
+            fs, _ = fsspec.core.url_to_fs(f)
+            proto = f.split("://", 1)[0] + "://" if is_url(f) else ""
+            out.extend(sorted(proto + m if proto and "://" not in m else m for m in fs.glob(f)))
+        else:
+            out.append(f)
+    return out
+
+
+class ShardedFileDataset(IterableDataset):
+    """Stream samples from many files, split across ranks and DataLoader workers without overlap.
+
+    Args:
+        files: paths, fsspec URLs, or glob patterns (expanded once, sorted, so every rank agrees).
+        read_fn: ``fn(binary_file) -> iterable of samples``; default: text lines.
+        shuffle: shuffle the file order each epoch (same permutation on every rank, from seed+epoch).
+        seed: base seed for that permutation.
+        drop_last: if the file count is not a multiple of ``streams = world_size * num_workers``,
+            drop the remainder (True) or pad by repeating files from the start (False, the default,
+            as ``DistributedSampler`` does) so every stream gets the same number of files.
+        rank, world_size: default to the process group's (or ``RANK``/``WORLD_SIZE``).
+    """
+
+    def __init__(self, files: Union[str, Sequence[str]], read_fn: Callable[[Any], Iterable[Any]] = read_lines,
+                 *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
+                 rank: Optional[int] = None, world_size: Optional[int] = None):
+        self.files = _expand(files)
+        if not self.files:
+            raise ParallelError(f"ShardedFileDataset got no files (from {files!r})")
+        self.read_fn, self.shuffle, self.seed, self.drop_last = read_fn, shuffle, seed, drop_last
+        self.rank = _env.rank() if rank is None else rank
+        self.world_size = _env.world_size() if world_size is None else world_size
+        self.epoch = 0
+        self.num_workers_hint: Optional[int] = None
+
+    def set_epoch(self, epoch: int) -> None:
+        self.epoch = epoch
+
+    def files_for(self, rank: int, worker: int, num_workers: int, epoch: Optional[int] = None) -> list[str]:
+        """The files that ``(rank, worker)`` reads in ``epoch``: a pure function, handy for checks."""
+        epoch = self.epoch if epoch is None else epoch
+        order = list(self.files)
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        streams = self.world_size * max(1, num_workers)
+        if len(order) < streams and self.drop_last:
+            raise ParallelError(f"{len(order)} files cannot feed {streams} streams (world_size "
+                                f"{self.world_size} x {max(1, num_workers)} workers) with drop_last=True")
+        rem = len(order) % streams
+        if rem:
+            if self.drop_last:
+                order = order[:len(order) - rem]
+            else:
+                pad = streams - rem
+                order = order + (order * (pad // len(order) + 1))[:pad]
+        return order[rank * max(1, num_workers) + worker::streams]
+
+    def _open(self, path: str):
+        if is_url(path):
+            import fsspec
+
+            return fsspec.open(path, "rb")
+        return open(path, "rb")
+
+    def __iter__(self):
+        info = get_worker_info()
+        worker, num_workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if self.num_workers_hint is not None and max(1, self.num_workers_hint) != num_workers:
+            raise ParallelError("ShardedFileDataset was set up for "
+                                f"{self.num_workers_hint} workers but runs in {num_workers}")
+        for path in self.files_for(self.rank, worker, num_workers):
+            with self._open(path) as f:
+                yield from self.read_fn(f)

@@ -1,0 +1,153 @@
+"""A small Llama-shaped decoder in plain PyTorch, built from a config.
+
+Used by the tests, the benchmarks and the docs of :mod:`gpulaunch.parallel` so that
+they need no model hub and no ``transformers``. It is a faithful-enough Llama:
+RMSNorm, rotary embeddings, grouped-query attention through SDPA, SwiGLU MLP,
+optional tied embeddings. Random init only.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+__all__ = ["LlamaConfig", "Llama", "Block", "LLAMA_1B", "TINY"]
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256
+    dim: int = 64
+    n_layers: int = 2
+    n_heads: int = 4
+    n_kv_heads: int = 2
+    ffn_dim: int = 128
+    max_seq_len: int = 64
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+
+    def num_params(self) -> int:
+        head = self.dim // self.n_heads
+        attn = self.dim * head * (self.n_heads * 2 + self.n_kv_heads * 2)
+        mlp = 3 * self.dim * self.ffn_dim
+        per_block = attn + mlp + 2 * self.dim
+        emb = self.vocab_size * self.dim
+        return self.n_layers * per_block + emb * (1 if self.tie_embeddings else 2) + self.dim
+
+
+# Llama-3.2-1B's shape: 1.24 B parameters with tied embeddings.
+LLAMA_1B = LlamaConfig(vocab_size=128256, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8,
+                       ffn_dim=8192, max_seq_len=2048, rope_theta=500000.0, tie_embeddings=True)
+TINY = LlamaConfig()
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x):
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return xf.type_as(x) * self.weight
+
+
+def _rope(x, cos, sin):
+    # x: (B, H, T, D); rotate halves
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv = c.n_heads, c.n_kv_heads
+        self.head_dim = c.dim // c.n_heads
+        self.wq = nn.Linear(c.dim, c.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(c.dim, c.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(c.dim, c.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(c.n_heads * self.head_dim, c.dim, bias=False)
+
+    def forward(self, x, cos, sin):
+        B, T, _ = x.shape
+        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        rep = self.n_heads // self.n_kv
+        if rep > 1:
+            k = k.repeat_interleave(rep, dim=1)
+            v = v.repeat_interleave(rep, dim=1)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.wo(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class MLP(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w3 = nn.Linear(c.dim, c.ffn_dim, bias=False)
+        self.w2 = nn.Linear(c.ffn_dim, c.dim, bias=False)
+
+    def forward(self, x):
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class Block(nn.Module):
+    def __init__(self, c: LlamaConfig):
+        super().__init__()
+        self.attn_norm = RMSNorm(c.dim, c.norm_eps)
+        self.attn = Attention(c)
+        self.mlp_norm = RMSNorm(c.dim, c.norm_eps)
+        self.mlp = MLP(c)
+
+    def forward(self, x, cos, sin):
+        x = x + self.attn(self.attn_norm(x), cos, sin)
+        return x + self.mlp(self.mlp_norm(x))
+
+
+class Llama(nn.Module):
+    """``Llama(config)(tokens) -> logits``; ``model(tokens, targets)`` -> mean cross-entropy loss."""
+
+    def __init__(self, config: LlamaConfig = TINY):
+        super().__init__()
+        self.config = c = config
+        self.tok_emb = nn.Embedding(c.vocab_size, c.dim)
+        self.layers = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+        self.norm = RMSNorm(c.dim, c.norm_eps)
+        self.lm_head = nn.Linear(c.dim, c.vocab_size, bias=False)
+        if c.tie_embeddings:
+            self.lm_head.weight = self.tok_emb.weight
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        std = 0.02
+        for name, p in self.named_parameters():
+            if p.dim() == 2:
+                nn.init.normal_(p, std=std / math.sqrt(2 * self.config.n_layers) if name.endswith(("wo.weight", "w2.weight")) else std)
+            else:
+                nn.init.ones_(p)
+
+    def _rope_tables(self, T: int, device, dtype):
+        c = self.config
+        hd = c.dim // c.n_heads
+        inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
+        t = torch.arange(T, device=device, dtype=torch.float32)
+        freqs = torch.outer(t, inv)
+        return freqs.cos().to(dtype), freqs.sin().to(dtype)
+
+    def forward(self, tokens, targets=None):
+        x = self.tok_emb(tokens)
+        cos, sin = self._rope_tables(tokens.shape[1], tokens.device, x.dtype)
+        for layer in self.layers:
+            x = layer(x, cos, sin)
+        logits = self.lm_head(self.norm(x))
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
