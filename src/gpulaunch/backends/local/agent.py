@@ -195,7 +195,7 @@ def _worker_env(launch: dict, run: RunDir, node_rank: int) -> None:
         env["CUDA_VISIBLE_DEVICES"] = ""          # CPU workers: never touch a GPU by accident
     else:
         # NCCL flight recorder: a record of the last collectives, dumped on a watchdog timeout.
-        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+        env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")  # older torch: TORCH_NCCL_TRACE_BUFFER_SIZE
         env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run.path / "nccl_trace_rank_"))
     for k, v in spec.get("env", []):
