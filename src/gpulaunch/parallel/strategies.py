@@ -82,12 +82,15 @@ def _choose_auto(model: nn.Module, device: torch.device, mixed_precision, **plan
     except ImportError:
         choose_strategy = None
     if choose_strategy is not None:
-        offered = dict(world_size=_env.world_size(), device=device, mixed_precision=mixed_precision,
+        import os
+        world = _env.world_size()
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        precision = {None: "fp32", "no": "fp32", "fp32": "fp32"}.get(mixed_precision, mixed_precision)
+        offered = dict(gpus_per_node=local, nodes=max(1, world // max(1, local)),
+                       gpu_memory_bytes=_device_memory(device), precision=precision,
                        **planner_kwargs)
-        sig = inspect.signature(choose_strategy)
-        if not any(p.kind is p.VAR_KEYWORD for p in sig.parameters.values()):
-            offered = {k: v for k, v in offered.items() if k in sig.parameters}
         strategy, reason = choose_strategy(model, **offered)
+        strategy = strategy.split("+", 1)[0]   # "+offload": prepare(cpu_offload=True) is the user's call
         return normalize_strategy(strategy), f"planner: {reason}"
     need = estimate_training_bytes(model, mixed_precision)
     have = _device_memory(device)
