@@ -36,29 +36,27 @@ def _dist():
     return dist if dist.is_available() and dist.is_initialized() else None
 
 
-def get_global_rank(group=None) -> int:
+def _checked(env_name: str, default: int, from_dist: str, group) -> int:
+    """The value from torch.distributed when a group exists, else the launcher's environment;
+    if both exist and disagree, the environment and the process group contradict each other."""
     dist = _dist()
-    env_rank = _env_int("RANK", 0)
+    env_value = _env_int(env_name, default)
     if dist is None:
-        return env_rank
-    rank = dist.get_rank(group)
-    if group is None and "RANK" in os.environ and rank != env_rank:
-        raise ConfigurationError(f"torch.distributed says rank {rank} but RANK={env_rank}: the "
-                                 "process group was initialised with settings that contradict "
-                                 "the launcher's environment.")
-    return rank
+        return env_value
+    value = getattr(dist, from_dist)(group)
+    if group is None and env_name in os.environ and value != env_value:
+        raise ConfigurationError(f"torch.distributed.{from_dist}() says {value} but "
+                                 f"{env_name}={env_value}: the process group was initialised with "
+                                 "settings that contradict the launcher's environment.")
+    return value
+
+
+def get_global_rank(group=None) -> int:
+    return _checked("RANK", 0, "get_rank", group)
 
 
 def get_world_size(group=None) -> int:
-    dist = _dist()
-    env_world = _env_int("WORLD_SIZE", 1)
-    if dist is None:
-        return env_world
-    world = dist.get_world_size(group)
-    if group is None and "WORLD_SIZE" in os.environ and world != env_world:
-        raise ConfigurationError(f"torch.distributed says world size {world} but "
-                                 f"WORLD_SIZE={env_world}.")
-    return world
+    return _checked("WORLD_SIZE", 1, "get_world_size", group)
 
 
 def get_local_rank() -> int:
