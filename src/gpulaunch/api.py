@@ -10,6 +10,7 @@ Everything the user got wrong is reported here, before any process starts.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import os
@@ -17,7 +18,7 @@ import sys
 import threading
 
 from .errors import ArgumentError, ConfigurationError
-from .launch import hardware, rundir
+from .launch import fitcheck, hardware, rundir
 from .launch.logstream import tail_text
 from .launch.payload import DEFAULT_MAX_ARG_BYTES, serialize_call
 from .launch.spec import DEFAULT_SHUTDOWN_GRACE, DEFAULT_TIMEOUT, LaunchSpec, resolve
@@ -89,7 +90,7 @@ class DistributedFunction:
 
     def __init__(self, func, *, gpus=None, gpu_type=None, remote=False, timeout=DEFAULT_TIMEOUT,
                  hang_timeout=None, max_restarts=0, shutdown_grace=DEFAULT_SHUTDOWN_GRACE,
-                 stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES):
+                 stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES, plan=None):
         if not callable(func):
             raise ConfigurationError(f"@distributed decorates a function; got {func!r}.")
         self.func = func
@@ -103,6 +104,7 @@ class DistributedFunction:
         self.stream_logs = stream_logs
         self.env = dict(env) if env else None
         self.max_arg_bytes = max_arg_bytes
+        self.plan = fitcheck.validate(plan)
         self._signature = inspect.signature(func)
         functools.update_wrapper(self, func)
         # Check the settings now (bad values fail at decoration time, not at the first call);
@@ -121,11 +123,13 @@ class DistributedFunction:
         return dict(gpus=self.gpus, gpu_type=self.gpu_type, remote=self.remote,
                     timeout=self.timeout, hang_timeout=self.hang_timeout,
                     max_restarts=self.max_restarts, shutdown_grace=self.shutdown_grace,
-                    stream_logs=self.stream_logs, env=self.env, max_arg_bytes=self.max_arg_bytes)
+                    stream_logs=self.stream_logs, env=self.env, max_arg_bytes=self.max_arg_bytes,
+                    plan=self.plan)
 
     def _resolve(self) -> LaunchSpec:
         s = self._settings()
         s.pop("max_arg_bytes")
+        s.pop("plan")
         return resolve(hardware.detect(), **s)
 
     def __call__(self, *args, **kwargs):
@@ -195,6 +199,7 @@ class DistributedFunction:
                 f"directly there ({self.__name__}.func(...)).")
         spec = self._resolve()
         call_args, call_kwargs, names = self._bind(args, kwargs)
+        fit = fitcheck.check_launch(self.plan, spec, hardware.detect())
         blob = serialize_call(self.func, call_args, call_kwargs, arg_names=names,
                               max_arg_bytes=self.max_arg_bytes)
         if spec.remote:
@@ -204,7 +209,9 @@ class DistributedFunction:
         run = rundir.create(self.__name__)
         with open(os.open(run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(blob)
-        _announce(spec, run)
+        if fit is not None:
+            rundir.write_json_atomic(run.path / "plan.json", dataclasses.asdict(fit))
+        _announce(spec, run, fit)
         from .backends.local.launcher import LocalRun
         return LocalRun(spec, run, {"kind": "function"}, label=self.__name__,
                         stream=stream).start()
@@ -214,7 +221,7 @@ class DistributedFunction:
                 f"gpu_type={self.gpu_type} remote={self.remote}>")
 
 
-def _announce(spec: LaunchSpec, run) -> None:
+def _announce(spec: LaunchSpec, run, fit=None) -> None:
     if os.environ.get("GPULAUNCH_QUIET"):
         return
     if spec.device == "cpu":
@@ -224,6 +231,8 @@ def _announce(spec: LaunchSpec, run) -> None:
         if spec.world_size == 1:
             what += "; @distributed is meant for several GPUs, this runs one"
     sys.stdout.write(f"gpulaunch: run {run.run_id}: {what}\n")
+    if fit is not None:
+        sys.stdout.write(f"gpulaunch: plan: {fit.message}\n")
     sys.stdout.flush()
 
 
@@ -237,7 +246,8 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
                 timeout: float | None = DEFAULT_TIMEOUT, *, gpus=None, gpu_type=None,
                 hang_timeout: float | None = None, max_restarts: int = 0,
                 shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, stream_logs="all",
-                env: dict | None = None, max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES):
+                env: dict | None = None, max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES,
+                plan: dict | None = None):
     """Make a function run on several ranks: ``@distributed(gpus=8, gpu_type="H100")``.
 
     gpus / num_accelerators: ranks on this host; None = every GPU here (2 CPU workers on a
@@ -251,6 +261,9 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
     max_restarts: restart the whole group this many times after a failure.
     stream_logs: "all" ranks, "rank0", "none", or a list of ranks to print in the caller.
     env: extra environment variables for the ranks.
+    plan: check GPU memory before launching: ``{"model": "llama-3.1-8b", "strategy": "fsdp",
+        "seq_len": 4096, ...}`` (any ``gpulaunch.planner.plan()`` argument). A strategy that would
+        not fit is refused with what would (``WontFitError``); ``"on_fail": "warn"`` only warns.
 
     Also usable bare, as ``@distributed``.
     """
@@ -264,5 +277,5 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
         return DistributedFunction(func, gpus=n, gpu_type=t, remote=remote, timeout=timeout,
                                    hang_timeout=hang_timeout, max_restarts=max_restarts,
                                    shutdown_grace=shutdown_grace, stream_logs=stream_logs,
-                                   env=env, max_arg_bytes=max_arg_bytes)
+                                   env=env, max_arg_bytes=max_arg_bytes, plan=plan)
     return wrap

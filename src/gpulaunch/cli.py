@@ -17,7 +17,7 @@ import sys
 import time
 
 from . import errors
-from .launch import hardware, rundir
+from .launch import fitcheck, hardware, rundir
 from .launch.logstream import LogStreamer, tail_text
 from .launch.rundir import RunDir, read_json
 from .launch.spec import resolve
@@ -36,6 +36,9 @@ def _add_run(sub) -> None:
     p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
     p.add_argument("--shutdown-grace", type=float, default=5.0)
     p.add_argument("--logs", default="all", help="which ranks to print: all, rank0, none, or 0,2")
+    p.add_argument("--plan", default=None, metavar="KEY=VALUE,...",
+                   help="check GPU memory before starting, e.g. model=llama-3.1-8b,strategy=fsdp,"
+                        "seq_len=4096 (keys of `gpulaunch plan`; refuses a strategy that would not fit)")
     p.add_argument("--nnodes", default="1", help="only 1 here (multi-node runs use Ray)")
     p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
     p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
@@ -53,6 +56,29 @@ def _parse_logs(value: str):
     except ValueError:
         raise errors.ConfigurationError(f"--logs must be all, rank0, none or ranks like 0,2; "
                                         f"got {value!r}") from None
+
+
+def _parse_plan(value: str | None) -> dict | None:
+    """'model=llama-3.1-8b,strategy=fsdp,seq_len=4096' -> the plan= dict of @distributed."""
+    if not value:
+        return None
+    out: dict = {}
+    for item in value.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise errors.ConfigurationError(f"--plan takes KEY=VALUE pairs separated by commas, e.g. "
+                                            f"model=llama-3.1-8b,strategy=fsdp; got {item!r}")
+        raw = raw.strip()
+        low = raw.lower()
+        if low in ("true", "false"):
+            v: object = low == "true"
+        else:
+            try:
+                v = int(raw)
+            except ValueError:
+                v = raw
+        out[key.strip().replace("-", "_")] = v
+    return fitcheck.validate(out)
 
 
 def _entry_from(args) -> dict:
@@ -86,11 +112,14 @@ def cmd_run(args) -> int:
                    hang_timeout=args.hang_timeout, max_restarts=args.max_restarts,
                    shutdown_grace=args.shutdown_grace, stream_logs=_parse_logs(args.logs))
     entry = _entry_from(args)
+    fit = fitcheck.check_launch(_parse_plan(args.plan), spec, hardware.detect())
     label = os.path.basename(entry["argv"][0])
     run = rundir.create(label)
     if not os.environ.get("GPULAUNCH_QUIET"):
         kind = "CPU worker processes (gloo)" if spec.device == "cpu" else "GPU ranks (nccl)"
         print(f"gpulaunch: run {run.run_id}: {spec.world_size} {kind}", flush=True)
+        if fit is not None:
+            print(f"gpulaunch: plan: {fit.message}", flush=True)
     local = LocalRun(spec, run, entry, label=label, stream=True).start()
     try:
         local.wait()

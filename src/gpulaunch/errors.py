@@ -46,6 +46,10 @@ class SerializationError(UserError, TypeError):
     """The function, an argument or a return value cannot be pickled (or is too large)."""
 
 
+class WontFitError(ConfigurationError):
+    """``plan=`` was given and the planner predicts the run would not fit in GPU memory."""
+
+
 # Spellings used by the seed product (serverless_gpu / databricks.air), kept so ported code that
 # catches them keeps working.
 RuntimeConfigurationError = ConfigurationError
