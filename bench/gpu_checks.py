@@ -1,5 +1,5 @@
 """Checks that need a GPU, run on the lent H200: NCCL launch, CUDA OOM report, GPU memory
-released after a failure, and the quickstart recipe.
+released after a failure, the launcher memory check (plan=), and the quickstart recipe.
 
     PYTHONPATH=src python bench/gpu_checks.py --out $OUT
 """
@@ -64,6 +64,22 @@ def main() -> None:
                       "message_head": str(e)[:300], "cause_head": cause[:1500]}
     time.sleep(1)
     res["gpu_processes_after_failure"] = _gpu_processes()
+
+    # The launcher's memory check on this GPU: refused before any process starts, or launched.
+    from gpulaunch.errors import WontFitError
+    from gpulaunch.launch import rundir
+    before = len(list(rundir.runs_root().glob("*"))) if rundir.runs_root().exists() else 0
+    t0 = time.perf_counter()
+    try:
+        distributed(gpus=1, plan={"model": "llama-3.1-70b", "strategy": "ddp"})(_gpu_info).distributed()
+        res["plan_refuse"] = "NO ERROR RAISED"
+    except WontFitError as e:
+        after = len(list(rundir.runs_root().glob("*"))) if rundir.runs_root().exists() else 0
+        res["plan_refuse"] = {"message": str(e), "seconds": round(time.perf_counter() - t0, 2),
+                              "run_dirs_created": after - before}
+    t0 = time.perf_counter()
+    out = distributed(gpus=1, plan={"model": "llama-3.2-1b", "strategy": "ddp", "seq_len": 1024})(_gpu_info)
+    res["plan_fits"] = {"result": out.distributed(), "seconds": round(time.perf_counter() - t0, 2)}
 
     t0 = time.perf_counter()
     q = subprocess.run([sys.executable, "recipes/quickstart.py"], capture_output=True, text=True)
