@@ -31,13 +31,16 @@ class LlamaConfig:
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
 
+    def shape(self, name: str = "reference-llama"):
+        """This architecture as the planner's ModelShape: one description of the dimensions, so that
+        the planner's parameter and memory arithmetic is the one the tests and benchmarks check."""
+        from ..planner.shapes import ModelShape
+        return ModelShape(name, vocab_size=self.vocab_size, hidden_size=self.dim, num_layers=self.n_layers,
+                          num_heads=self.n_heads, num_kv_heads=self.n_kv_heads, intermediate_size=self.ffn_dim,
+                          tie_embeddings=self.tie_embeddings)
+
     def num_params(self) -> int:
-        head = self.dim // self.n_heads
-        attn = self.dim * head * (self.n_heads * 2 + self.n_kv_heads * 2)
-        mlp = 3 * self.dim * self.ffn_dim
-        per_block = attn + mlp + 2 * self.dim
-        emb = self.vocab_size * self.dim
-        return self.n_layers * per_block + emb * (1 if self.tie_embeddings else 2) + self.dim
+        return self.shape().total_params
 
 
 # Llama-3.2-1B's shape: 1.24 B parameters with tied embeddings.
