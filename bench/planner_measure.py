@@ -174,16 +174,26 @@ def _run_variant(task, variant, dev, tracker_cls):
 
 
 def worker(task_json: str) -> int:
+    """One group of variants on every rank. World size 1: started directly by the parent; more GPUs:
+    started by `gpulaunch run --gpus N` (torchrun's environment), and rank 0 reports the largest peak
+    of any rank."""
     import torch
     import torch.distributed as dist
 
     task = json.loads(task_json)
     cuda = torch.cuda.is_available() and not task["smoke"]
-    dev = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    launched = "MASTER_ADDR" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", 0)) if launched else 0
+    local = int(os.environ.get("LOCAL_RANK", 0)) if launched else 0
+    dev = torch.device("cuda", local) if cuda else torch.device("cpu")
     if cuda:
         torch.cuda.set_device(dev)
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{task['store']}", rank=0, world_size=1)
-    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
+    if launched:
+        dist.init_process_group("nccl" if cuda else "gloo", device_id=dev if cuda else None)
+    else:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{task['store']}", rank=0,
+                                world_size=1)
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1")
     tracker_cls = None
     if not cuda:
         from planner_livebytes import LiveBytes
@@ -195,7 +205,13 @@ def worker(task_json: str) -> int:
         except Exception as e:  # an OOM or API mismatch is a result to report, not a crash
             rec["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:300] if str(e) else ''}"
             rec["traceback"] = traceback.format_exc()[-2000:]
-        print("RESULT " + json.dumps(rec), flush=True)
+        if dist.get_world_size() > 1:   # the planner predicts the per-GPU peak: compare with the largest
+            peak = torch.tensor([rec.get("measured_peak", -1)], dtype=torch.float64, device=dev)
+            dist.all_reduce(peak, op=dist.ReduceOp.MAX)
+            if "measured_peak" in rec:
+                rec["measured_peak"] = int(peak.item())
+        if rank == 0:
+            print("RESULT " + json.dumps(rec), flush=True)
     dist.destroy_process_group()
     return 0
 
@@ -203,21 +219,21 @@ def worker(task_json: str) -> int:
 # ----------------------------------------------------------------------------------------------
 # Parent: plans, launches the groups, writes the tables.
 # ----------------------------------------------------------------------------------------------
-def predict(shape, strategy, mb, seq, lora, ac, gpu_mem, cpu):
+def predict(shape, strategy, mb, seq, lora, ac, gpu_mem, cpu, gpus=1):
     from gpulaunch.planner import plan
     from gpulaunch.planner.memory import ALLOC_WORKSPACE
     p = plan(shape, micro_batch_size=mb, seq_len=seq, precision="bf16", lora_rank=LORA_RANK if lora else None,
-             activation_checkpointing=ac, gpus_per_node=1, gpu_memory_bytes=gpu_mem, strategies=[strategy])
+             activation_checkpointing=ac, gpus_per_node=gpus, gpu_memory_bytes=gpu_mem, strategies=[strategy])
     e = p.estimate(strategy)
     peak = e.peak_allocated - (ALLOC_WORKSPACE if cpu else 0)   # no cuBLAS workspace on CPU
     return peak, e.peak_phase, {k: int(v) for k, v in e.phases.items()}
 
 
-def baselines(shape, lora):
+def baselines(shape, lora, gpus=1):
     from planner_baselines import accelerate_estimate, deepspeed_zero3_gpu
     P = shape.total_params + (shape.lora_params(LORA_RANK) if lora else 0)
     acc, acc_src = accelerate_estimate(P, "bfloat16")
-    ds, ds_src = deepspeed_zero3_gpu(P, shape.largest_layer_params, 1)
+    ds, ds_src = deepspeed_zero3_gpu(P, shape.largest_layer_params, gpus)
     return {"accelerate": acc, "accelerate_source": acc_src, "deepspeed_zero3": ds, "deepspeed_source": ds_src}
 
 
@@ -248,6 +264,7 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=2, help="measured steps after one warm-up step")
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop launching groups after this")
     ap.add_argument("--predict-only", action="store_true", help="write the predictions, run nothing")
+    ap.add_argument("--gpus", type=int, default=1, help="world size (>1: ranks started by gpulaunch run)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -270,11 +287,13 @@ def main(argv=None) -> int:
         for strategy in strategies:
             group = []
             for v in variants:
-                pred, phase, phases = predict(shape, strategy, mb, seq, v["lora"], v["ac"], gpu_mem, cpu)
+                pred, phase, phases = predict(shape, strategy, mb, seq, v["lora"], v["ac"], gpu_mem, cpu, args.gpus)
                 group.append({"model": mname, "params": shape.total_params, "strategy": strategy,
+                              "world_size": args.gpus,
                               "micro_batch": mb, "seq_len": seq, "lora_rank": LORA_RANK if v["lora"] else None,
                               "activation_checkpointing": v["ac"], "predicted_peak": int(pred),
-                              "predicted_phase": phase, "predicted_phases": phases, **baselines(shape, v["lora"])})
+                              "predicted_phase": phase, "predicted_phases": phases,
+                              **baselines(shape, v["lora"], args.gpus)})
             skip = None
             if strategy == "zero3":
                 try:
@@ -291,10 +310,15 @@ def main(argv=None) -> int:
                         "variants": variants, "steps": args.steps, "smoke": args.smoke,
                         "store": str(out / f".store-{mname}-{strategy}-{time.time_ns()}")}
                 t0 = time.time()
-                proc = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--out", str(out),
-                                       "--worker", json.dumps(task)], capture_output=True, text=True,
+                cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--worker", json.dumps(task)]
+                if args.gpus > 1:
+                    cmd = [sys.executable, "-m", "gpulaunch.cli", "run", "--gpus", str(args.gpus), "--logs", "rank0",
+                           *cmd[1:]]
+                proc = subprocess.run(cmd, capture_output=True, text=True,
                                       timeout=max(60.0, args.budget_s + 120 - (time.time() - t_start)))
-                results = [json.loads(line[7:]) for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
+                # "RESULT {...}", or "[rank 0] RESULT {...}" when gpulaunch run streamed it
+                results = [json.loads(line.split("RESULT ", 1)[1]) for line in proc.stdout.splitlines()
+                           if line.startswith("RESULT ") or line.startswith("[rank 0] RESULT ")]
                 (out / f"log-{mname}-{strategy}.txt").write_text(proc.stdout + "\n--- stderr ---\n" + proc.stderr)
                 if len(results) != len(group):
                     skip = f"worker exited {proc.returncode} after {len(results)} variants; see log-{mname}-{strategy}.txt"
@@ -317,7 +341,8 @@ def main(argv=None) -> int:
 
 def markdown(result) -> str:
     unit, div = ("MiB", 1 << 20) if result["device"] == "cpu" else ("GiB", GiB)
-    lines = [f"Command: `{result['command']}`  ",
+    worlds = sorted({r.get("world_size", 1) for r in result["rows"]})
+    lines = [f"Command: `{result['command']}`  ", f"World size: {', '.join(map(str, worlds))}  ",
              f"Device: {result['device']}; " + ", ".join(f"{k} {v}" for k, v in result["env"].items() if k != "gpu_memory"),
              "",
              f"| model | technique | fine-tune | AC | batch x seq | predicted {unit} | measured {unit} | error % | "
