@@ -1,0 +1,11 @@
+"""Multi-node runs on a Ray cluster (``gpulaunch[ray]``).
+
+``@distributed(gpus=16, remote=True)`` gang-schedules one node agent per node with a placement
+group; each agent runs its node's ranks with the single-host backend (``backends/local``).
+``ray_launch`` runs a function once, as a Ray program, inside such an allocation.
+See docs/multi-node.md.
+"""
+
+from .cluster import ADDRESS_ENV, RayCluster
+
+__all__ = ["RayCluster", "ADDRESS_ENV"]
