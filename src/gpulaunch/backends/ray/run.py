@@ -218,6 +218,8 @@ class RayRun:
                     f.write(data)
                 self._cursors[i][rel] = mark + len(data)
             else:
+                if rel.endswith(".info.json"):
+                    data = self._label_host(i, data)
                 tmp = path.with_name(f".{path.name}.mirror")
                 tmp.write_bytes(data)
                 os.replace(tmp, path)
@@ -230,6 +232,19 @@ class RayRun:
                 self._node_status[i] = dict(answer["status"], state="AGENT_ERROR",
                                             error="the node's agent stopped unexpectedly",
                                             traceback=answer["agent_tail"])
+
+    def _label_host(self, i: int, data: bytes) -> bytes:
+        """A rank's host as the caller reports it: host name, node rank and cluster IP (the
+        host name alone is ambiguous on clusters of look-alike machines or pods)."""
+        import json
+        try:
+            info = json.loads(data)
+        except ValueError:
+            return data
+        node = self.nodes[i] if i < len(self.nodes) else {}
+        info["node_rank"] = i
+        info["host"] = f"{info.get('host', '?')}, node {i} @ {node.get('ip', '?')}"
+        return json.dumps(info).encode()
 
     def _mark_lost(self, i: int, why: str) -> None:
         self._node_done[i] = True
@@ -353,8 +368,17 @@ class RayRun:
     def outcome(self) -> list:
         if self.lost and self.reason is None:
             raise self._lost_error()
-        return raise_for_run(self.run, reason=self.reason, timeout=self.spec.timeout,
-                             world_size=self.spec.world_size)
+        try:
+            return raise_for_run(self.run, reason=self.reason, timeout=self.spec.timeout,
+                                 world_size=self.spec.world_size)
+        except BaseException as e:
+            rank = getattr(e, "rank", None)
+            if isinstance(rank, int):
+                try:
+                    e.node_rank = rank // self.spec.nproc_per_node
+                except Exception:
+                    pass
+            raise
 
     def _lost_error(self) -> errors.NodeLostError:
         i = self.lost["node_rank"]
