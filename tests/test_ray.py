@@ -265,6 +265,92 @@ def test_ray_launch_runs_once_with_the_allocation_as_its_cluster(cluster):
     assert_cluster_free()
 
 
+# ----------------------------------------------------------------- layout (pure functions)
+from gpulaunch.backends.ray.placement import NodeView, plan  # noqa: E402
+from gpulaunch.compute import GPUType  # noqa: E402
+
+
+def _gpu_nodes(n, gpus=8, kind="H100"):
+    return [NodeView(f"id{i}", f"10.0.0.{i}", cpus=96, gpus=gpus, gpu_types=(kind,))
+            for i in range(n)]
+
+
+def test_layout_takes_every_gpu_of_a_node_and_the_accelerator_resource():
+    lay = plan(_gpu_nodes(2), gpus=16, gpu_type=GPUType.H100, gpus_per_node=None,
+               force_cpu=False)
+    assert (lay.device, lay.nnodes, lay.nproc_per_node) == ("cuda", 2, 8)
+    assert lay.bundle == {"GPU": 8, "accelerator_type:H100": 0.001}
+    assert lay.actor_options() == {"num_cpus": 0, "num_gpus": 8,
+                                   "resources": {"accelerator_type:H100": 0.001}}
+    small = plan(_gpu_nodes(2), gpus=4, gpu_type=None, gpus_per_node=None, force_cpu=False)
+    assert (small.nnodes, small.nproc_per_node) == (1, 4)
+    four = plan(_gpu_nodes(4), gpus=16, gpu_type=None, gpus_per_node=4, force_cpu=False)
+    assert (four.nnodes, four.nproc_per_node) == (4, 4)
+
+
+def test_layout_refusals_name_the_gap():
+    with pytest.raises(GPUValidationError, match="Missing: 1 node"):
+        plan(_gpu_nodes(2), gpus=24, gpu_type=None, gpus_per_node=None, force_cpu=False)
+    with pytest.raises(GPUValidationError, match="does not divide"):
+        plan(_gpu_nodes(2), gpus=12, gpu_type=None, gpus_per_node=None, force_cpu=False)
+    with pytest.raises(GPUTypeError, match="no node of the Ray cluster has it"):
+        plan(_gpu_nodes(2, kind="A10G"), gpus=8, gpu_type=GPUType.H100, gpus_per_node=None,
+             force_cpu=False)
+    # a cluster that grows on demand: no static refusal, the placement group waits instead
+    lay = plan(_gpu_nodes(1), gpus=32, gpu_type=None, gpus_per_node=8, autoscaling=True,
+               force_cpu=False)
+    assert lay.nnodes == 4
+    mixed = _gpu_nodes(1, kind="A10G") + _gpu_nodes(2, kind="H100")
+    typed = plan(mixed, gpus=16, gpu_type=GPUType.H100, gpus_per_node=None, force_cpu=False)
+    assert typed.accel_resource == "accelerator_type:H100" and typed.nnodes == 2
+
+
+def test_cluster_settings_are_checked_at_decoration_time():
+    with pytest.raises(ConfigurationError, match="gpus_per_node"):
+        distributed(gpus=4, cluster=RayCluster(gpus_per_node=0))
+    with pytest.raises(ConfigurationError, match="cluster="):
+        distributed(gpus=4, cluster=42)(_six_ranks)
+    fn = distributed(gpus=4, cluster="ray://head:10001")(_six_ranks)
+    assert fn._resolve().remote is True
+
+
+# ----------------------------------------------------------------- environment shipping
+DRIVER = '''
+import sys
+from gpulaunch import RayCluster, distributed
+
+@distributed(gpus=4, cluster=RayCluster(address=sys.argv[1], runtime_env={
+    "working_dir": sys.argv[2], "env_vars": {"SHIPPED_SETTING": "from-runtime-env"}}))
+def uses_shipped_code():
+    import os
+    import shipped_helper            # exists only in the working_dir, not in the caller's path
+    return shipped_helper.VALUE, os.environ.get("SHIPPED_SETTING")
+
+print("RESULT", uses_shipped_code.distributed())
+'''
+
+
+@pytest.mark.slow
+def test_second_driver_ships_its_working_dir_and_env_vars_through_ray(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import python_env
+    code = tmp_path / "project"
+    code.mkdir()
+    (code / "shipped_helper.py").write_text("VALUE = 'shipped'\n")
+    driver = tmp_path / "elsewhere"
+    driver.mkdir()
+    (driver / "driver.py").write_text(DRIVER)
+    out = subprocess.run([sys.executable, str(driver / "driver.py"), cluster.address, str(code)],
+                         cwd=str(driver), env=python_env(), capture_output=True, text=True,
+                         timeout=BOUND_S * 2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "RESULT [('shipped', 'from-runtime-env')" in out.stdout
+    assert out.stdout.count("'shipped'") == 4
+
+
+# ----------------------------------------------------------------- last: it damages the cluster
 @pytest.mark.slow
 def test_losing_a_whole_node_mid_run_tears_down_the_job(cluster):
     handle = distributed(gpus=6, remote=True, stream_logs="none")(_sleep_forever).submit()

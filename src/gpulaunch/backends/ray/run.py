@@ -28,7 +28,7 @@ from ...launch.report import raise_for_run
 from ...launch.rundir import RunDir, hostname, write_json_atomic
 from ...launch.spec import LaunchSpec
 from . import placement
-from .cluster import RayCluster, connect
+from .cluster import RayCluster, _has_local_paths, connect
 from .node_agent import NodeAgent
 
 POLL_INTERVAL = 0.25
@@ -117,12 +117,17 @@ class RayRun:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
         layout = self.layout
         remote_cls = ray.remote(NodeAgent)
+        extra = {}
+        if self.cluster.runtime_env and not _has_local_paths(self.cluster.runtime_env):
+            # URIs, pip, env_vars: per actor. Local paths were uploaded at ray.init (job level).
+            extra["runtime_env"] = self.cluster.runtime_env
         for i in range(layout.nnodes):
             strategy = PlacementGroupSchedulingStrategy(placement_group=self.pg,
                                                         placement_group_bundle_index=i)
             actor = remote_cls.options(scheduling_strategy=strategy, max_restarts=0,
                                        max_concurrency=4, name=None,
-                                       **layout.actor_options()).remote(self.run.run_id, i)
+                                       **layout.actor_options(), **extra).remote(
+                                           self.run.run_id, i)
             self.actors.append(actor)
         self.nodes = ray.get([a.info.remote() for a in self.actors], timeout=START_TIMEOUT)
         payload_ref = ray.put(self.payload)
