@@ -47,10 +47,13 @@ class NodePlacement:
     bind_host: str = "127.0.0.1"          # node 0: the interface the store listens on
     master_addr: str | None = None        # nodes > 0: node 0's address (None: bind_host)
     master_port: int = 0                  # nodes > 0: node 0's store port
+    master_port_file: str | None = None   # nodes > 0: ...or a file where it will appear, so
+    #                                       the agent starts (imports torch) while node 0 does
 
     def launch_fields(self) -> dict:
         return {"nnodes": self.nnodes, "node_rank": self.node_rank, "bind_host": self.bind_host,
-                "master_addr": self.master_addr, "port": self.master_port}
+                "master_addr": self.master_addr, "port": self.master_port,
+                "port_file": self.master_port_file}
 
 
 class LocalRun:

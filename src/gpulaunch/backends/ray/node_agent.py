@@ -77,15 +77,19 @@ class NodeAgent:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def start(self, spec: LaunchSpec, entry: dict, label: str, payload: bytes,
-              nnodes: int, master_addr: str | None, master_port: int) -> dict:
+              nnodes: int, master_addr: str | None, master_port: int | None) -> dict:
         """Start this node's local agent. Node 0 binds the rendezvous store on its own cluster
-        IP with a port chosen here and returns it; the others connect to it."""
+        IP with a port chosen here and returns it; the others connect to it (given now, or
+        later through ``set_master_port``)."""
         with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
                   "wb") as f:
             f.write(payload)
         self._set_network_env(spec)
+        port_file = str(self.run.path / "master_port") if self.node_rank and not master_port \
+            else None
         node = NodePlacement(node_rank=self.node_rank, nnodes=nnodes, bind_host=self.node_ip,
-                             master_addr=master_addr, master_port=master_port)
+                             master_addr=master_addr, master_port=master_port or 0,
+                             master_port_file=port_file)
         # The caller enforces timeout= for the whole job, and stops every node on it.
         local_spec = _without_timeout(spec)
         self.local = LocalRun(local_spec, self.run, entry, label=label, stream=False, node=node)
@@ -105,6 +109,12 @@ class NodeAgent:
             if self.run.agent_log.exists() else ""
         raise RuntimeError(f"node 0's agent did not open its rendezvous store; its output:\n"
                            f"{tail}")
+
+    def set_master_port(self, port: int) -> None:
+        """Nodes > 0 started before node 0's port was known: hand it to the waiting agent."""
+        tmp = self.run.path / ".master_port.tmp"
+        tmp.write_text(str(int(port)))
+        os.replace(tmp, self.run.path / "master_port")
 
     def _set_network_env(self, spec: LaunchSpec) -> None:
         # Collectives must use the interface Ray reaches this node on: a host name that

@@ -74,10 +74,16 @@ class RayRun:
         self._pending: list = []
         self._deadline: float | None = None
         self._ray = None
+        self.timings: dict[str, float] = {}   # seconds since start() for each phase
+
+    def _mark(self, phase: str) -> None:
+        self.timings[phase] = round(time.monotonic() - self._t0, 3)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "RayRun":
+        self._t0 = time.monotonic()
         ray = self._ray = connect(self.cluster)
+        self._mark("connected")
         layout = placement.plan(placement.cluster_nodes(ray), gpus=self.requested.nproc_per_node,
                                 gpu_type=self.requested.gpu_type,
                                 gpus_per_node=self.cluster.gpus_per_node,
@@ -93,7 +99,9 @@ class RayRun:
         try:
             self.pg, _ = placement.reserve(ray, layout, timeout=timeout,
                                            name=f"gpulaunch-{self.run.run_id}")
+            self._mark("placed")
             self._start_nodes()
+            self._mark("started")
         except BaseException:
             self._teardown()
             self.finished = True
@@ -110,6 +118,11 @@ class RayRun:
             self._deadline = time.monotonic() + self.spec.timeout
         self._write_status("RUNNING")
         _ACTIVE.add(self)
+        if not os.environ.get("GPULAUNCH_QUIET"):
+            sys.stdout.write(f"gpulaunch: run {self.run.run_id}: {layout.describe()} on the Ray "
+                             f"cluster ({'gloo' if layout.device == 'cpu' else 'nccl'}); "
+                             f"rendezvous on node 0 at {self.master['addr']}\n")
+            sys.stdout.flush()
         return self
 
     def _start_nodes(self) -> None:
@@ -130,15 +143,19 @@ class RayRun:
                                            self.run.run_id, i)
             self.actors.append(actor)
         self.nodes = ray.get([a.info.remote() for a in self.actors], timeout=START_TIMEOUT)
+        self._mark("actors_up")
         payload_ref = ray.put(self.payload)
         common = (self.spec, self.entry, self.label)
-        # Node 0 first: its store's port is chosen there, then everybody else joins it.
+        # Every node's agent starts at once (each imports torch); node 0 binds its store on
+        # its cluster IP with a port chosen there, and the others learn it when it is known.
         head = self.nodes[0]
-        first = ray.get(self.actors[0].start.remote(*common, payload_ref, layout.nnodes, None, 0),
-                        timeout=START_TIMEOUT)
-        port = first["master_port"]
-        ray.get([a.start.remote(*common, payload_ref, layout.nnodes, head["ip"], port)
-                 for a in self.actors[1:]], timeout=START_TIMEOUT)
+        started = [self.actors[0].start.remote(*common, payload_ref, layout.nnodes, None, 0)]
+        started += [a.start.remote(*common, payload_ref, layout.nnodes, head["ip"], None)
+                    for a in self.actors[1:]]
+        port = ray.get(started[0], timeout=START_TIMEOUT)["master_port"]
+        self._mark("node0_store_up")
+        ray.get([a.set_master_port.remote(port) for a in self.actors[1:]] + started[1:],
+                timeout=START_TIMEOUT)
         n = layout.nnodes
         self._cursors = [{} for _ in range(n)]
         self._node_status = [{} for _ in range(n)]
@@ -154,6 +171,10 @@ class RayRun:
             if self.finished:
                 return True
             self._poll_nodes()
+            if "ranks_spawned" not in self.timings and self._node_status and all(
+                    (st or {}).get("state") in ("RUNNING",) + _TERMINAL
+                    for st in self._node_status):
+                self._mark("ranks_spawned")
             if self.streamer:
                 self.streamer.pump()
             failed = [i for i, s in enumerate(self._node_status)
@@ -260,8 +281,10 @@ class RayRun:
     # ------------------------------------------------------------------ ending
     def _finish(self, reason: str | None) -> None:
         self.reason = self.reason or reason
+        self._mark("ended")
         self._stop_nodes()
         self._teardown()
+        self._mark("torn_down")
         if self.streamer:
             self.streamer.pump(final=True)
         self.finished = True
@@ -331,6 +354,7 @@ class RayRun:
             failures.update(s.get("failures") or {})
         agent_errors = [s for s in self._node_status if s.get("state") == "AGENT_ERROR"]
         out = {"state": state, "backend": "ray", "attempt": 0, "pids": {},
+               "timings": self.timings,
                "failures": failures, "history": history,
                "nodes": [{"node_rank": i, "ip": n.get("ip"), "node_id": n.get("node_id"),
                           "host": n.get("host"), "actor_pid": n.get("actor_pid"),
