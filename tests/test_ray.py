@@ -350,6 +350,60 @@ def test_second_driver_ships_its_working_dir_and_env_vars_through_ray(cluster, t
     assert out.stdout.count("'shipped'") == 4
 
 
+KILLED_DRIVER = '''
+import sys, time
+from gpulaunch import distributed, runtime as rt
+
+def sleeper():
+    import time, torch, torch.distributed as dist
+    rt.init()
+    dist.all_reduce(torch.ones(1))
+    print("READY", flush=True)
+    time.sleep(600)
+
+h = distributed(gpus=4, cluster=sys.argv[1])(sleeper).submit()
+print("RUN_DIR", h.run_dir, flush=True)
+while h.logs().count("READY") < 4:
+    time.sleep(0.5)
+print("ALL_READY", flush=True)
+time.sleep(600)
+'''
+
+
+@pytest.mark.slow
+def test_killed_caller_leaves_nothing_on_any_node(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import python_env
+    script = tmp_path / "driver.py"
+    script.write_text(KILLED_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), cluster.address], env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir, lines = None, []
+    deadline = time.monotonic() + BOUND_S * 2
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("RUN_DIR"):
+                run_dir = line.split(None, 1)[1].strip()
+            if line.startswith("ALL_READY") or time.monotonic() > deadline:
+                break
+        assert run_dir and lines[-1].startswith("ALL_READY"), "".join(lines[-50:])
+        pids = _job_pids(run_dir)
+        os.kill(proc.pid, signal.SIGKILL)          # the notebook kernel dies outright
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(pids) >= 4 + 2 * 2
+    end = time.monotonic() + 60
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not alive(pids), f"processes of the job survived the caller: {alive(pids)}"
+    assert_cluster_free(60)
+
+
 # ----------------------------------------------------------------- last: it damages the cluster
 @pytest.mark.slow
 def test_losing_a_whole_node_mid_run_tears_down_the_job(cluster):
