@@ -12,7 +12,6 @@ import os
 import signal
 import time
 
-import psutil
 import pytest
 
 ray = pytest.importorskip("ray")

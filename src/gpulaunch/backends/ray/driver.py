@@ -24,7 +24,6 @@ exception comes back as itself with the remote traceback chained, as in ``@distr
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import inspect
 import os
@@ -233,7 +232,6 @@ def ray_launch(num_accelerators=None, accelerator_type=None, remote: bool = Fals
 def current_placement_group():
     """Inside a ``ray_launch`` function: the allocation's placement group (Ray tasks started
     there are already placed in it; this is for APIs that take one explicitly)."""
-    import ray
     from ray.util.placement_group import get_current_placement_group
     return get_current_placement_group()
 

@@ -102,11 +102,16 @@ class RayRun:
             self._mark("placed")
             self._start_nodes()
             self._mark("started")
-        except BaseException:
+        except BaseException as e:
             self._teardown()
             self.finished = True
             self._write_status("AGENT_ERROR")
-            raise
+            if isinstance(e, (errors.GpulaunchError, KeyboardInterrupt)):
+                raise
+            raise errors.LaunchError(
+                f"The job's node agents could not be started on the Ray cluster: "
+                f"{type(e).__name__}: {e}\nRun directory: {self.run.path}",
+                run_dir=str(self.run.path)) from e
         if self.stream:
             show = self.spec.shows_rank
             per = layout.nproc_per_node
@@ -302,7 +307,7 @@ class RayRun:
             try:
                 ray.get(ref, timeout=grace)
             except Exception as e:
-                if not self._node_done[i] or self.lost is None:
+                if not self._node_done[i]:       # it was still running and did not answer
                     self._mark_lost(i, _ray_error_text(e))
         for i in live:
             if self.lost and self.lost["node_rank"] == i:
