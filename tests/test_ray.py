@@ -99,8 +99,15 @@ def _six_ranks(offset: int):
     env = {k: int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
                                             "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
     print(f"rank {env['RANK']} on node {env['NODE_RANK']}", flush=True)
+    import psutil
+    me = psutil.Process(os.getpid())
+    listening = {c.laddr.ip for p in (me, me.parent()) for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    dist.barrier()
+    run_dir = os.environ["GPULAUNCH_RUN_DIR"]
     return {"rank": rt.get_global_rank() + offset, "sum": t.item(), "env": env,
-            "master": os.environ["MASTER_ADDR"]}
+            "master": os.environ["MASTER_ADDR"], "listening": sorted(listening),
+            "run_dir": run_dir, "mode": oct(os.stat(run_dir).st_mode & 0o777)}
 
 
 def test_six_ranks_on_three_nodes_results_node_ranks_and_allreduce(cluster, capfd):
@@ -113,7 +120,14 @@ def test_six_ranks_on_three_nodes_results_node_ranks_and_allreduce(cluster, capf
         assert env["LOCAL_RANK"] == env["RANK"] % SLOTS
         assert env["WORLD_SIZE"] == 6 and env["LOCAL_WORLD_SIZE"] == SLOTS
     # rendezvous on node 0's cluster address, not loopback
-    assert results[0]["master"] != "127.0.0.1" and len({r["master"] for r in results}) == 1
+    master = results[0]["master"]
+    assert master != "127.0.0.1" and len({r["master"] for r in results}) == 1
+    # nothing of the job (agents, ranks) listens on all interfaces: only on the node's IP
+    assert results[0]["listening"], "node 0's agent store must have been seen listening"
+    assert all(r["listening"] in ([master], []) for r in results), [r["listening"] for r in results]
+    # each node's ranks ran from a private run directory of that node, not the caller's
+    assert len({r["run_dir"] for r in results}) == NODES
+    assert all(r["mode"] == "0o700" for r in results)
     out = capfd.readouterr().out
     for rank in range(6):
         assert f"[node {rank // SLOTS} rank {rank}] rank {rank} on node {rank // SLOTS}" in out
