@@ -14,10 +14,11 @@ Ray cluster) with one decorator.
 
 from . import runtime
 from .api import DistributedFunction, RunHandle, distributed
+from .backends.ray.cluster import RayCluster   # imports no ray until used
 from .compute import AcceleratorType, GPUType
 from .errors import (ArgumentError, ConfigurationError, GpulaunchError, GPUTypeError,
                      GPUValidationError, HangError, LaunchError, LocalExecutionTimeoutError,
-                     RemoteError, RunCancelledError, RunError, RunTimeoutError,
+                     NodeLostError, RemoteError, RunCancelledError, RunError, RunTimeoutError,
                      RuntimeConfigurationError, SerializationError, UserError, WorkerCrashError)
 
 __version__ = "0.1.0"
@@ -27,5 +28,5 @@ __all__ = [
     "GpulaunchError", "UserError", "ConfigurationError", "RuntimeConfigurationError",
     "GPUValidationError", "GPUTypeError", "ArgumentError", "SerializationError", "RunError",
     "WorkerCrashError", "RemoteError", "RunTimeoutError", "LocalExecutionTimeoutError",
-    "HangError", "RunCancelledError", "LaunchError",
+    "HangError", "RunCancelledError", "LaunchError", "NodeLostError", "RayCluster",
 ]

@@ -90,7 +90,8 @@ class DistributedFunction:
 
     def __init__(self, func, *, gpus=None, gpu_type=None, remote=False, timeout=DEFAULT_TIMEOUT,
                  hang_timeout=None, max_restarts=0, shutdown_grace=DEFAULT_SHUTDOWN_GRACE,
-                 stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES, plan=None):
+                 stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES, cluster=None,
+                 plan=None):
         if not callable(func):
             raise ConfigurationError(f"@distributed decorates a function; got {func!r}.")
         self.func = func
@@ -105,6 +106,10 @@ class DistributedFunction:
         self.env = dict(env) if env else None
         self.max_arg_bytes = max_arg_bytes
         self.plan = fitcheck.validate(plan)
+        self.cluster = cluster           # a Ray address or RayCluster(...); implies remote=True
+        if cluster is not None:
+            from .backends.ray.cluster import RayCluster
+            RayCluster.coerce(cluster)   # a bad setting fails here, at decoration time
         self._signature = inspect.signature(func)
         functools.update_wrapper(self, func)
         # Check the settings now (bad values fail at decoration time, not at the first call);
@@ -124,12 +129,14 @@ class DistributedFunction:
                     timeout=self.timeout, hang_timeout=self.hang_timeout,
                     max_restarts=self.max_restarts, shutdown_grace=self.shutdown_grace,
                     stream_logs=self.stream_logs, env=self.env, max_arg_bytes=self.max_arg_bytes,
-                    plan=self.plan)
+                    cluster=self.cluster, plan=self.plan)
 
     def _resolve(self) -> LaunchSpec:
         s = self._settings()
         s.pop("max_arg_bytes")
         s.pop("plan")
+        if s.pop("cluster") is not None:
+            s["remote"] = True
         return resolve(hardware.detect(), **s)
 
     def __call__(self, *args, **kwargs):
@@ -203,9 +210,9 @@ class DistributedFunction:
         blob = serialize_call(self.func, call_args, call_kwargs, arg_names=names,
                               max_arg_bytes=self.max_arg_bytes)
         if spec.remote:
-            raise ConfigurationError(
-                "remote=True (a Ray cluster) is not available in this version of gpulaunch yet; "
-                "run on this host (remote=False) for now.")
+            from .backends.ray.run import RayRun
+            return RayRun(spec, blob, {"kind": "function"}, label=self.__name__,
+                          cluster=self.cluster, stream=stream).start()
         run = rundir.create(self.__name__)
         with open(os.open(run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(blob)
@@ -247,14 +254,18 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
                 hang_timeout: float | None = None, max_restarts: int = 0,
                 shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, stream_logs="all",
                 env: dict | None = None, max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES,
-                plan: dict | None = None):
+                cluster=None, plan: dict | None = None):
     """Make a function run on several ranks: ``@distributed(gpus=8, gpu_type="H100")``.
 
     gpus / num_accelerators: ranks on this host; None = every GPU here (2 CPU workers on a
         host without GPUs).
     gpu_type / accelerator_type: refuse to run unless the host has this GPU ("H100", "h200",
         GPUType.A100, or "GPU_8xH100" which also sets the count).
-    remote: run on a Ray cluster (``gpulaunch[ray]``) instead of this host.
+    remote: run on a Ray cluster (``gpulaunch[ray]``) instead of this host; gpus= is then the
+        total over the cluster's nodes (docs/multi-node.md).
+    cluster: which Ray cluster and how: an address ("auto", "head:6379", "ray://...",
+        "local") or ``gpulaunch.RayCluster(...)``; implies remote=True. Default: from
+        $GPULAUNCH_RAY_ADDRESS, $RAY_ADDRESS, else "auto".
     timeout: seconds before every rank is stopped and ``RunTimeoutError`` raised (None: no limit).
     hang_timeout: seconds a rank may stay on the same line before the run is declared hung and
         every rank's stack reported (``HangError``). Off by default.
@@ -277,5 +288,6 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
         return DistributedFunction(func, gpus=n, gpu_type=t, remote=remote, timeout=timeout,
                                    hang_timeout=hang_timeout, max_restarts=max_restarts,
                                    shutdown_grace=shutdown_grace, stream_logs=stream_logs,
-                                   env=env, max_arg_bytes=max_arg_bytes, plan=plan)
+                                   env=env, max_arg_bytes=max_arg_bytes, cluster=cluster,
+                                   plan=plan)
     return wrap

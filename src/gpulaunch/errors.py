@@ -112,6 +112,15 @@ class RunCancelledError(RunError):
     """The run was cancelled (``handle.cancel()``) before it finished."""
 
 
+class NodeLostError(WorkerCrashError):
+    """A whole node of a multi-node run vanished (its machine, raylet or node agent died);
+    ``node_rank`` says which. Every other node was stopped."""
+
+    def __init__(self, message: str, *, node_rank: int | None = None, **kw):
+        super().__init__(message, **kw)
+        self.node_rank = node_rank
+
+
 class LaunchError(RunError):
     """The processes could not be started (agent failed, rendezvous failed, ...)."""
 

@@ -202,6 +202,17 @@ def _worker_env(launch: dict, run: RunDir, node_rank: int) -> None:
         env[k] = v
 
 
+def _wait_for_port(path: Path, timeout: float = 600.0) -> int:
+    """Multi-node: node 0's store port, written by whoever learns it (the Ray node agent)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text().strip() if path.exists() else ""
+        if text:
+            return int(text)
+        time.sleep(0.05)
+    raise TimeoutError(f"node 0's rendezvous port did not arrive in {path} within {timeout:g} s")
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpulaunch-agent")
     p.add_argument("run_dir")
@@ -225,8 +236,11 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         _worker_env(launch, run, node_rank)
+        port = int(launch.get("port") or 0)
+        if node_rank > 0 and launch.get("port_file"):
+            port = _wait_for_port(Path(launch["port_file"]))
         rdzv = BoundStaticRendezvous(
-            bind_host=launch.get("bind_host", "127.0.0.1"), port=int(launch.get("port", 0)),
+            bind_host=launch.get("bind_host", "127.0.0.1"), port=port,
             connect_host=launch.get("master_addr"), node_rank=node_rank, nnodes=nnodes,
             run_id=run.run_id)
         status.update(master_port=rdzv.port)

@@ -35,12 +35,34 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+@dataclasses.dataclass(frozen=True)
+class NodePlacement:
+    """Where this host's agent sits in the job. The default is a single host, everything on
+    loopback. A multi-node backend (``backends/ray``) gives node 0 the address its rendezvous
+    store binds (its own cluster IP, port 0 = chosen there) and the other nodes where to find it.
+    """
+
+    node_rank: int = 0
+    nnodes: int = 1
+    bind_host: str = "127.0.0.1"          # node 0: the interface the store listens on
+    master_addr: str | None = None        # nodes > 0: node 0's address (None: bind_host)
+    master_port: int = 0                  # nodes > 0: node 0's store port
+    master_port_file: str | None = None   # nodes > 0: ...or a file where it will appear, so
+    #                                       the agent starts (imports torch) while node 0 does
+
+    def launch_fields(self) -> dict:
+        return {"nnodes": self.nnodes, "node_rank": self.node_rank, "bind_host": self.bind_host,
+                "master_addr": self.master_addr, "port": self.master_port,
+                "port_file": self.master_port_file}
+
+
 class LocalRun:
     """One run on this host. ``step()`` advances it; ``stop()`` ends it; ``outcome()`` reads it."""
 
     def __init__(self, spec: LaunchSpec, run: RunDir, entry: dict, *, label: str,
-                 stream: bool = True, write=None):
+                 stream: bool = True, write=None, node: "NodePlacement | None" = None):
         self.spec = spec
+        self.node = node or NodePlacement()
         self.run = run
         self.entry = entry
         self.label = label
@@ -59,8 +81,7 @@ class LocalRun:
             "spec": dataclasses.asdict(self.spec),
             "entry": self.entry,
             "label": self.label,
-            "nnodes": 1,
-            "bind_host": "127.0.0.1",
+            **self.node.launch_fields(),
             "caller_pid": os.getpid(),
             "host": hostname(),
             "cwd": os.getcwd(),
@@ -72,7 +93,7 @@ class LocalRun:
         with open(self.run.agent_log, "wb") as agent_log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
-                 "--watch-stdin"],
+                 "--node-rank", str(self.node.node_rank), "--watch-stdin"],
                 stdin=subprocess.PIPE, stdout=agent_log, stderr=subprocess.STDOUT,
                 start_new_session=True, env=child_env(), close_fds=True)
         if self.spec.timeout is not None:

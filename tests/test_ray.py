@@ -1,0 +1,444 @@
+"""Multi-node on Ray (issue 6), on a real local Ray cluster of 3 simulated nodes x 2 CPU slots.
+
+Every run is real: Ray actors in a placement group, one torchelastic agent per node, gloo
+collectives between "nodes". The cluster is started once for the module (Ray start costs
+several seconds and ~1 GB); tests that damage it (removing a node) come last and repair it.
+Bounds on time (BOUND_S) only catch hangs; nothing here asserts speed.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from gpulaunch import NodeLostError, RayCluster, distributed, runtime as rt  # noqa: E402
+from gpulaunch.backends.ray.driver import ray_launch  # noqa: E402
+from gpulaunch.errors import (GPUTypeError, GPUValidationError, RunCancelledError,  # noqa: E402
+                              ConfigurationError)
+from gpulaunch.launch.rundir import RunDir, read_json  # noqa: E402
+
+from conftest import alive  # noqa: E402
+
+BOUND_S = 120.0
+NODES, SLOTS = 3, 2
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+    base = tmp_path_factory.mktemp("ray")
+    # Short socket paths (AF_UNIX limit), no token file in ~/.ray, every node's run
+    # directories under this module's temp folder.
+    tmpdir = f"/tmp/r-{os.getpid()}"
+    os.makedirs(tmpdir, exist_ok=True)
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE", "GPULAUNCH_HOME")}
+    os.environ.update(RAY_TMPDIR=tmpdir, RAY_AUTH_MODE="disabled",
+                      GPULAUNCH_HOME=str(base / "nodes-home"))
+    c = Cluster(initialize_head=True,
+                head_node_args={"num_cpus": SLOTS, "include_dashboard": False})
+    for _ in range(NODES - 1):
+        c.add_node(num_cpus=SLOTS)
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    yield c
+    ray.shutdown()
+    c.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _job_pids(run_dir) -> list[int]:
+    """Every process the job had on any node: node-agent actors, local agents, ranks."""
+    run = RunDir(run_dir)
+    status = run.status()
+    pids = set()
+    for n in status.get("nodes") or []:
+        for key in ("actor_pid", "agent_pid"):
+            if n.get(key):
+                pids.add(int(n[key]))
+    for info in run.attempt_dir(0).glob("rank*.info.json"):
+        pid = (read_json(info, {}) or {}).get("pid")
+        if pid:
+            pids.add(int(pid))
+    return sorted(pids)
+
+
+def assert_job_gone(run_dir, expect_at_least: int, wait: float = 30.0) -> None:
+    pids = _job_pids(run_dir)
+    assert len(pids) >= expect_at_least, f"the run recorded only {pids}"
+    deadline = time.monotonic() + wait
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pids), f"processes of the job survived: {alive(pids)}"
+
+
+def assert_cluster_free(wait: float = 30.0) -> None:
+    """Nothing of ours is still reserved (Ray frees a removed placement group asynchronously)."""
+    deadline = time.monotonic() + wait
+    while ray.available_resources().get("CPU") != NODES * SLOTS and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert ray.available_resources().get("CPU") == NODES * SLOTS, ray.available_resources()
+
+
+def _six_ranks(offset: int):
+    import os
+
+    import torch
+    import torch.distributed as dist
+    rt.init()
+    t = torch.tensor([float(rt.get_global_rank() + 1)])
+    dist.all_reduce(t)                       # gloo, across the simulated nodes
+    env = {k: int(os.environ[k]) for k in ("RANK", "LOCAL_RANK", "NODE_RANK", "GROUP_RANK",
+                                            "WORLD_SIZE", "LOCAL_WORLD_SIZE")}
+    print(f"rank {env['RANK']} on node {env['NODE_RANK']}", flush=True)
+    import psutil
+    me = psutil.Process(os.getpid())
+    listening = {c.laddr.ip for p in (me, me.parent()) for c in p.net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN}
+    dist.barrier()
+    run_dir = os.environ["GPULAUNCH_RUN_DIR"]
+    return {"rank": rt.get_global_rank() + offset, "sum": t.item(), "env": env,
+            "master": os.environ["MASTER_ADDR"], "listening": sorted(listening),
+            "run_dir": run_dir, "mode": oct(os.stat(run_dir).st_mode & 0o777)}
+
+
+def test_six_ranks_on_three_nodes_results_node_ranks_and_allreduce(cluster, capfd):
+    results = distributed(gpus=6, remote=True)(_six_ranks).distributed(0)
+    assert [r["rank"] for r in results] == list(range(6))
+    assert all(r["sum"] == 21.0 for r in results)                  # 1 + 2 + ... + 6
+    for r in results:
+        env = r["env"]
+        assert env["NODE_RANK"] == env["GROUP_RANK"] == env["RANK"] // SLOTS
+        assert env["LOCAL_RANK"] == env["RANK"] % SLOTS
+        assert env["WORLD_SIZE"] == 6 and env["LOCAL_WORLD_SIZE"] == SLOTS
+    # rendezvous on node 0's cluster address, not loopback
+    master = results[0]["master"]
+    assert master != "127.0.0.1" and len({r["master"] for r in results}) == 1
+    # nothing of the job (agents, ranks) listens on all interfaces: only on the node's IP
+    assert results[0]["listening"], "node 0's agent store must have been seen listening"
+    assert all(r["listening"] in ([master], []) for r in results), [r["listening"] for r in results]
+    # each node's ranks ran from a private run directory of that node, not the caller's
+    assert len({r["run_dir"] for r in results}) == NODES
+    assert all(r["mode"] == "0o700" for r in results)
+    out = capfd.readouterr().out
+    for rank in range(6):
+        assert f"[node {rank // SLOTS} rank {rank}] rank {rank} on node {rank // SLOTS}" in out
+
+
+def _raise_on_rank_4():
+    import torch
+    import torch.distributed as dist
+    rt.init()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if rt.get_global_rank() == 4:
+        raise KeyError("rank four is unhappy")
+    dist.all_reduce(t)                       # the others wait here until torn down
+    return 0
+
+
+def test_exception_on_rank_4_keeps_type_traceback_rank_and_node(cluster, gpulaunch_home):
+    fn = distributed(gpus=6, cluster=RayCluster(), stream_logs="none")(_raise_on_rank_4)
+    start = time.monotonic()
+    with pytest.raises(KeyError) as info:
+        fn.distributed()
+    assert time.monotonic() - start < BOUND_S
+    exc = info.value
+    assert exc.rank == 4 and exc.node_rank == 2
+    assert "node 2 @" in exc.host
+    cause = str(exc.__cause__)
+    assert 'raise KeyError("rank four is unhappy")' in cause and "rank 4" in cause
+    assert "_raise_on_rank_4" in exc.remote_traceback
+    run_dir = exc.run_dir
+    assert_job_gone(run_dir, expect_at_least=6 + 2 * NODES)
+
+
+def test_job_the_cluster_can_never_hold_fails_at_once_naming_what_is_missing(cluster):
+    start = time.monotonic()
+    with pytest.raises(GPUValidationError) as info:
+        distributed(gpus=8, remote=True)(_six_ranks).distributed(0)
+    assert time.monotonic() - start < 10       # never waits on an infeasible placement
+    msg = str(info.value)
+    assert "gpus=8" in msg and "4 node(s) with 2 CPU slot(s)" in msg
+    assert "Missing: 1 node(s)" in msg and "gpus<=6" in msg
+    with pytest.raises(GPUValidationError, match="does not divide"):
+        distributed(gpus=5, remote=True)(_six_ranks).distributed(0)
+    with pytest.raises(GPUTypeError, match="no GPU"):
+        distributed(gpus=2, gpu_type="H100", remote=True)(_six_ranks).distributed(0)
+    with pytest.raises(ConfigurationError, match="max_restarts"):
+        distributed(gpus=2, remote=True, max_restarts=1)(_six_ranks).distributed(0)
+    # nothing was left reserved: the whole cluster is free again
+    assert_cluster_free()
+
+
+def _sleep_forever():
+    import time
+
+    import torch
+    import torch.distributed as dist
+    rt.init()
+    dist.all_reduce(torch.ones(1))
+    print("READY", flush=True)
+    time.sleep(600)
+
+
+def _wait_ready(handle, ranks: int) -> None:
+    deadline = time.monotonic() + BOUND_S
+    while time.monotonic() < deadline:
+        if handle.logs().count("READY") >= ranks:
+            return
+        assert not handle.done(), handle.result()
+        time.sleep(0.5)
+    raise AssertionError(f"ranks never got ready:\n{handle.logs()}")
+
+
+def test_submit_then_cancel_stops_every_node(cluster):
+    handle = distributed(gpus=4, remote=True)(_sleep_forever).submit()
+    assert handle.status == "RUNNING"
+    _wait_ready(handle, 4)
+    handle.cancel()
+    assert handle.status == "CANCELLED"
+    with pytest.raises(RunCancelledError):
+        handle.result(timeout=BOUND_S)
+    assert_job_gone(handle.run_dir, expect_at_least=4 + 2 * 2)
+    assert_cluster_free()
+
+
+def test_killing_one_nodes_agent_tears_down_the_job(cluster):
+    handle = distributed(gpus=6, remote=True)(_sleep_forever).submit()
+    _wait_ready(handle, 6)
+    status = RunDir(handle.run_dir).status()
+    victim = status["nodes"][1]["actor_pid"]
+    os.kill(victim, signal.SIGKILL)               # node 1's agent dies as with its machine
+    start = time.monotonic()
+    with pytest.raises(NodeLostError) as info:
+        handle.result(timeout=BOUND_S)
+    assert time.monotonic() - start < BOUND_S
+    assert info.value.node_rank == 1
+    assert "Node 1" in str(info.value) and "ranks 2-3" in str(info.value)
+    assert_job_gone(handle.run_dir, expect_at_least=6 + 2 * NODES)
+    assert_cluster_free()
+
+
+def _ddp_loss(steps: int = 30) -> float:
+    import torch
+    import torch.nn as nn
+    from torch.nn.parallel import DistributedDataParallel as DDP
+    device = rt.init()
+    torch.manual_seed(0)
+    model = DDP(nn.Sequential(nn.Linear(10, 32), nn.ReLU(), nn.Linear(32, 1)).to(device))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1000 + rt.get_global_rank())
+    w = torch.linspace(-1, 1, 10)
+    for _ in range(steps):
+        x = torch.randn(32, 10, generator=gen)
+        loss = nn.functional.mse_loss(model(x).squeeze(-1), x @ w)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return loss.item()
+
+
+@pytest.mark.slow
+def test_ddp_on_two_nodes_matches_one_host_with_the_same_world_size(cluster):
+    two_nodes = distributed(gpus=4, remote=True, stream_logs="none")(_ddp_loss).distributed()
+    one_host = distributed(gpus=4, stream_logs="none")(_ddp_loss).distributed()
+    assert two_nodes == pytest.approx(one_host, rel=1e-6, abs=1e-7)
+
+
+def _ray_program():
+    import ray
+
+    @ray.remote(num_cpus=SLOTS)
+    def where():
+        return ray.get_runtime_context().get_node_id()
+
+    # three tasks that each need a whole bundle: they land on the three reserved nodes
+    nodes = ray.get([where.remote() for _ in range(NODES)])
+    return len(set(nodes))
+
+
+def test_ray_launch_runs_once_with_the_allocation_as_its_cluster(cluster):
+    fn = ray_launch(gpus=6, remote=True)(_ray_program)
+    assert fn.distributed() == [NODES] + [None] * 5
+
+    def boom():
+        raise ValueError("driver failed")
+    with pytest.raises(ValueError, match="driver failed") as info:
+        ray_launch(gpus=2, remote=True)(boom).distributed()
+    assert "Traceback from the ray_launch driver" in str(info.value.__cause__)
+    assert_cluster_free()
+
+
+# ----------------------------------------------------------------- layout (pure functions)
+from gpulaunch.backends.ray.placement import NodeView, plan  # noqa: E402
+from gpulaunch.compute import GPUType  # noqa: E402
+
+
+def _gpu_nodes(n, gpus=8, kind="H100"):
+    return [NodeView(f"id{i}", f"10.0.0.{i}", cpus=96, gpus=gpus, gpu_types=(kind,))
+            for i in range(n)]
+
+
+def test_layout_takes_every_gpu_of_a_node_and_the_accelerator_resource():
+    lay = plan(_gpu_nodes(2), gpus=16, gpu_type=GPUType.H100, gpus_per_node=None,
+               force_cpu=False)
+    assert (lay.device, lay.nnodes, lay.nproc_per_node) == ("cuda", 2, 8)
+    assert lay.bundle == {"GPU": 8, "accelerator_type:H100": 0.001}
+    assert lay.actor_options() == {"num_cpus": 0, "num_gpus": 8,
+                                   "resources": {"accelerator_type:H100": 0.001}}
+    small = plan(_gpu_nodes(2), gpus=4, gpu_type=None, gpus_per_node=None, force_cpu=False)
+    assert (small.nnodes, small.nproc_per_node) == (1, 4)
+    four = plan(_gpu_nodes(4), gpus=16, gpu_type=None, gpus_per_node=4, force_cpu=False)
+    assert (four.nnodes, four.nproc_per_node) == (4, 4)
+
+
+def test_layout_refusals_name_the_gap():
+    with pytest.raises(GPUValidationError, match="Missing: 1 node"):
+        plan(_gpu_nodes(2), gpus=24, gpu_type=None, gpus_per_node=None, force_cpu=False)
+    with pytest.raises(GPUValidationError, match="does not divide"):
+        plan(_gpu_nodes(2), gpus=12, gpu_type=None, gpus_per_node=None, force_cpu=False)
+    with pytest.raises(GPUTypeError, match="no node of the Ray cluster has it"):
+        plan(_gpu_nodes(2, kind="A10G"), gpus=8, gpu_type=GPUType.H100, gpus_per_node=None,
+             force_cpu=False)
+    # a cluster that grows on demand: no static refusal, the placement group waits instead
+    lay = plan(_gpu_nodes(1), gpus=32, gpu_type=None, gpus_per_node=8, autoscaling=True,
+               force_cpu=False)
+    assert lay.nnodes == 4
+    mixed = _gpu_nodes(1, kind="A10G") + _gpu_nodes(2, kind="H100")
+    typed = plan(mixed, gpus=16, gpu_type=GPUType.H100, gpus_per_node=None, force_cpu=False)
+    assert typed.accel_resource == "accelerator_type:H100" and typed.nnodes == 2
+
+
+def test_cluster_settings_are_checked_at_decoration_time():
+    with pytest.raises(ConfigurationError, match="gpus_per_node"):
+        distributed(gpus=4, cluster=RayCluster(gpus_per_node=0))
+    with pytest.raises(ConfigurationError, match="cluster="):
+        distributed(gpus=4, cluster=42)(_six_ranks)
+    fn = distributed(gpus=4, cluster="ray://head:10001")(_six_ranks)
+    assert fn._resolve().remote is True
+
+
+# ----------------------------------------------------------------- environment shipping
+DRIVER = '''
+import sys
+from gpulaunch import RayCluster, distributed
+
+@distributed(gpus=4, cluster=RayCluster(address=sys.argv[1], runtime_env={
+    "working_dir": sys.argv[2], "env_vars": {"SHIPPED_SETTING": "from-runtime-env"}}))
+def uses_shipped_code():
+    import os
+    import shipped_helper            # exists only in the working_dir, not in the caller's path
+    return shipped_helper.VALUE, os.environ.get("SHIPPED_SETTING")
+
+print("RESULT", uses_shipped_code.distributed())
+'''
+
+
+@pytest.mark.slow
+def test_second_driver_ships_its_working_dir_and_env_vars_through_ray(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import python_env
+    code = tmp_path / "project"
+    code.mkdir()
+    (code / "shipped_helper.py").write_text("VALUE = 'shipped'\n")
+    driver = tmp_path / "elsewhere"
+    driver.mkdir()
+    (driver / "driver.py").write_text(DRIVER)
+    out = subprocess.run([sys.executable, str(driver / "driver.py"), cluster.address, str(code)],
+                         cwd=str(driver), env=python_env(), capture_output=True, text=True,
+                         timeout=BOUND_S * 2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "RESULT [('shipped', 'from-runtime-env')" in out.stdout
+    assert out.stdout.count("'shipped'") == 4
+
+
+KILLED_DRIVER = '''
+import sys, time
+from gpulaunch import distributed, runtime as rt
+
+def sleeper():
+    import time, torch, torch.distributed as dist
+    rt.init()
+    dist.all_reduce(torch.ones(1))
+    print("READY", flush=True)
+    time.sleep(600)
+
+h = distributed(gpus=4, cluster=sys.argv[1])(sleeper).submit()
+print("RUN_DIR", h.run_dir, flush=True)
+while h.logs().count("READY") < 4:
+    time.sleep(0.5)
+print("ALL_READY", flush=True)
+time.sleep(600)
+'''
+
+
+@pytest.mark.slow
+def test_killed_caller_leaves_nothing_on_any_node(cluster, tmp_path):
+    import subprocess
+    import sys
+
+    from conftest import python_env
+    script = tmp_path / "driver.py"
+    script.write_text(KILLED_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script), cluster.address], env=python_env(),
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    run_dir, lines = None, []
+    deadline = time.monotonic() + BOUND_S * 2
+    try:
+        for line in proc.stdout:
+            lines.append(line)
+            if line.startswith("RUN_DIR"):
+                run_dir = line.split(None, 1)[1].strip()
+            if line.startswith("ALL_READY") or time.monotonic() > deadline:
+                break
+        assert run_dir and lines[-1].startswith("ALL_READY"), "".join(lines[-50:])
+        pids = _job_pids(run_dir)
+        os.kill(proc.pid, signal.SIGKILL)          # the notebook kernel dies outright
+        proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert len(pids) >= 4 + 2 * 2
+    end = time.monotonic() + 60
+    while alive(pids) and time.monotonic() < end:
+        time.sleep(0.5)
+    assert not alive(pids), f"processes of the job survived the caller: {alive(pids)}"
+    assert_cluster_free(60)
+
+
+# ----------------------------------------------------------------- last: it damages the cluster
+@pytest.mark.slow
+def test_losing_a_whole_node_mid_run_tears_down_the_job(cluster):
+    handle = distributed(gpus=6, remote=True, stream_logs="none")(_sleep_forever).submit()
+    _wait_ready(handle, 6)
+    status = RunDir(handle.run_dir).status()
+    node_id = status["nodes"][2]["node_id"]
+    victim = next(n for n in cluster.worker_nodes if n.node_id == node_id) \
+        if any(n.node_id == node_id for n in cluster.worker_nodes) else None
+    if victim is None:        # node 2 landed on the head: take a worker node's index instead
+        idx = next(i for i, n in enumerate(status["nodes"])
+                   if any(w.node_id == n["node_id"] for w in cluster.worker_nodes))
+        node_id = status["nodes"][idx]["node_id"]
+        victim = next(n for n in cluster.worker_nodes if n.node_id == node_id)
+    else:
+        idx = 2
+    cluster.remove_node(victim, allow_graceful=False)      # the machine is gone
+    try:
+        with pytest.raises(NodeLostError) as info:
+            handle.result(timeout=BOUND_S)
+        assert info.value.node_rank == idx
+        assert_job_gone(handle.run_dir, expect_at_least=6 + 2 * NODES, wait=60)
+    finally:
+        cluster.add_node(num_cpus=SLOTS)
+        cluster.wait_for_nodes()
