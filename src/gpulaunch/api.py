@@ -32,6 +32,7 @@ class RunHandle:
         self._run = run
         self.run_id = run.run.run_id
         self.run_dir = str(run.run.path)
+        self._tracker = getattr(run, "tracker", None)
         self._thread = None
         if background:
             self._thread = threading.Thread(target=run.wait, name=f"gpulaunch-{self.run_id}",
@@ -42,6 +43,14 @@ class RunHandle:
     def status(self) -> str:
         """PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED or TIMED_OUT."""
         return self._run.state
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run of this launch (None when tracking is off or its store failed)."""
+        if self._tracker is None:
+            return None
+        info = self._tracker.wait_ready()
+        return info["run_id"] if info else None
 
     def done(self) -> bool:
         return self._run.finished
@@ -89,7 +98,8 @@ class DistributedFunction:
 
     def __init__(self, func, *, gpus=None, gpu_type=None, remote=False, timeout=DEFAULT_TIMEOUT,
                  hang_timeout=None, max_restarts=0, shutdown_grace=DEFAULT_SHUTDOWN_GRACE,
-                 stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES):
+                 stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES,
+                 tracking=None):
         if not callable(func):
             raise ConfigurationError(f"@distributed decorates a function; got {func!r}.")
         self.func = func
@@ -103,6 +113,8 @@ class DistributedFunction:
         self.stream_logs = stream_logs
         self.env = dict(env) if env else None
         self.max_arg_bytes = max_arg_bytes
+        from .tracking import settings as _tracking_settings
+        self.tracking = _tracking_settings.normalize(tracking)   # bad values fail here
         self._signature = inspect.signature(func)
         functools.update_wrapper(self, func)
         # Check the settings now (bad values fail at decoration time, not at the first call);
@@ -121,11 +133,13 @@ class DistributedFunction:
         return dict(gpus=self.gpus, gpu_type=self.gpu_type, remote=self.remote,
                     timeout=self.timeout, hang_timeout=self.hang_timeout,
                     max_restarts=self.max_restarts, shutdown_grace=self.shutdown_grace,
-                    stream_logs=self.stream_logs, env=self.env, max_arg_bytes=self.max_arg_bytes)
+                    stream_logs=self.stream_logs, env=self.env, max_arg_bytes=self.max_arg_bytes,
+                    tracking=self.tracking)
 
     def _resolve(self) -> LaunchSpec:
         s = self._settings()
         s.pop("max_arg_bytes")
+        s.pop("tracking")
         return resolve(hardware.detect(), **s)
 
     def __call__(self, *args, **kwargs):
@@ -205,9 +219,13 @@ class DistributedFunction:
         with open(os.open(run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(blob)
         _announce(spec, run)
+        entry = {"kind": "function"}
+        # tracking hook: the MLflow run of this call (gpulaunch.tracking; None when off)
+        from .tracking.caller import begin as _begin_tracking
+        tracker = _begin_tracking(self.tracking, run, label=self.__name__, spec=spec, entry=entry)
         from .backends.local.launcher import LocalRun
-        return LocalRun(spec, run, {"kind": "function"}, label=self.__name__,
-                        stream=stream).start()
+        return LocalRun(spec, run, entry, label=self.__name__, stream=stream,
+                        tracker=tracker).start()
 
     def __repr__(self) -> str:
         return (f"<DistributedFunction {self.__name__} gpus={self.gpus} "
@@ -237,7 +255,8 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
                 timeout: float | None = DEFAULT_TIMEOUT, *, gpus=None, gpu_type=None,
                 hang_timeout: float | None = None, max_restarts: int = 0,
                 shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, stream_logs="all",
-                env: dict | None = None, max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES):
+                env: dict | None = None, max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES,
+                tracking=None):
     """Make a function run on several ranks: ``@distributed(gpus=8, gpu_type="H100")``.
 
     gpus / num_accelerators: ranks on this host; None = every GPU here (2 CPU workers on a
@@ -251,6 +270,9 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
     max_restarts: restart the whole group this many times after a failure.
     stream_logs: "all" ranks, "rank0", "none", or a list of ranks to print in the caller.
     env: extra environment variables for the ranks.
+    tracking: the MLflow run of each call (``gpulaunch.tracking``). None: on when mlflow is
+        installed (``GPULAUNCH_TRACKING=0`` turns it off); False: off; True: required; a string:
+        the experiment name; or ``gpulaunch.tracking.Tracking(experiment=, run_name=, ...)``.
 
     Also usable bare, as ``@distributed``.
     """
@@ -264,5 +286,5 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
         return DistributedFunction(func, gpus=n, gpu_type=t, remote=remote, timeout=timeout,
                                    hang_timeout=hang_timeout, max_restarts=max_restarts,
                                    shutdown_grace=shutdown_grace, stream_logs=stream_logs,
-                                   env=env, max_arg_bytes=max_arg_bytes)
+                                   env=env, max_arg_bytes=max_arg_bytes, tracking=tracking)
     return wrap
