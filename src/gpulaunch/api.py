@@ -115,6 +115,8 @@ class DistributedFunction:
         self.max_arg_bytes = max_arg_bytes
         from .tracking import settings as _tracking_settings
         self.tracking = _tracking_settings.normalize(tracking)   # bad values fail here
+        if self.tracking.enabled:
+            _tracking_settings.enabled(self.tracking)   # tracking=True without mlflow: say so now
         self._signature = inspect.signature(func)
         functools.update_wrapper(self, func)
         # Check the settings now (bad values fail at decoration time, not at the first call);

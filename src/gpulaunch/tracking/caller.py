@@ -288,7 +288,8 @@ def _error_report(tracker: CallTracker, state: str) -> str:
                              world_size=spec.world_size)
     except BaseException as e:  # noqa: BLE001 - this is the point
         import traceback
-        return "".join(traceback.format_exception(type(e), e, e.__traceback__))
+        # Without the caller's frames: the rank's traceback is chained in as the cause.
+        return "".join(traceback.format_exception(type(e), e, None))
     return ""
 
 
