@@ -74,8 +74,12 @@ def _cli(capsys, *argv) -> str:
 # --------------------------------------------------------------------------- plain mlflow
 def _log_loss(steps):
     import mlflow
+    import torch
     from tqdm import tqdm
+
+    from gpulaunch.parallel import prepare
     rt.init()
+    prepare(torch.nn.Linear(4, 4), lambda params: torch.optim.SGD(params, lr=0.1), strategy="ddp")
     for step in tqdm(range(steps), disable=not rt.is_main(), mininterval=0, desc="train"):
         if rt.is_main():
             mlflow.log_metric("loss", 1.0 / (step + 1), step=step)
@@ -109,6 +113,7 @@ def test_two_rank_run_is_one_mlflow_run(monkeypatch, tracked, gpulaunch_home, ca
     assert p["gpulaunch.world_size"] == "2" and p["gpulaunch.device"] == "cpu"
     assert p["gpulaunch.function"] == "_log_loss" and p["gpulaunch.run_dir"] == str(run_dir)
     assert p["version.torch"] and p["version.mlflow"] == mlflow.__version__
+    assert p["gpulaunch.strategy"] == "ddp" and p["gpulaunch.mixed_precision"] == "fp32"
     # System metrics from the node agent (CPU workers: no GPU keys).
     cpu = client.get_metric_history(run.info.run_id, "system/node_0/cpu_utilization_percentage")
     assert len(cpu) >= 2

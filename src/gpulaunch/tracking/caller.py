@@ -238,6 +238,7 @@ class CallTracker:
         status = _STATUS.get(state, "FAILED")
         try:
             client.set_tag(run_id, "gpulaunch.state", state)
+            self._log_recorded_params(client, run_id)
             if self.cfg.log_artifacts:
                 self._upload(client, run_id, state)
             if self.cfg.plot:
@@ -255,6 +256,16 @@ class CallTracker:
             client.set_terminated(run_id, status)
         _merge_json(self.run.path / TRACKING_JSON, {"status": status, "state": state,
                                                     "ended": time.time()})
+
+    def _log_recorded_params(self, client, run_id: str) -> None:
+        """What rank 0 noted with ``tracking.inrank.record_param`` (e.g. prepare()'s strategy)."""
+        from mlflow.entities import Param
+
+        from .inrank import PARAMS_FILE
+        recorded = read_json(self.run.path / PARAMS_FILE, {}) or {}
+        if recorded:
+            client.log_batch(run_id, params=[Param(f"gpulaunch.{k}", str(v)[:6000])
+                                             for k, v in recorded.items()])
 
     def _upload(self, client, run_id: str, state: str) -> None:
         run = self.run

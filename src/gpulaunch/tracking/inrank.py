@@ -46,3 +46,33 @@ def mlflow_logger(**kwargs):
         if os.environ.get("MLFLOW_EXPERIMENT_NAME"):
             kwargs.setdefault("experiment_name", os.environ["MLFLOW_EXPERIMENT_NAME"])
     return MLFlowLogger(**kwargs)
+
+
+PARAMS_FILE = "params.rank0.json"
+
+
+def record_param(key: str, value) -> None:
+    """Note a fact about this launch (e.g. the strategy prepare() chose) as a ``gpulaunch.*``
+    parameter of its MLflow run. Rank 0 writes it into the run directory; the caller logs it
+    at the end, so no rank imports MLflow for it. First value per key wins (MLflow parameters
+    are write-once). A no-op outside a tracked launch."""
+    run_dir = os.environ.get("GPULAUNCH_RUN_DIR")
+    if not run_dir or not run_id() or os.environ.get("RANK", "0") != "0":
+        return
+    import json
+    path = os.path.join(run_dir, PARAMS_FILE)
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except (OSError, ValueError):
+        data = {}
+    if key in data:
+        return
+    data[key] = str(value)
+    tmp = f"{path}.{os.getpid()}.tmp"
+    try:
+        with open(tmp, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)
+    except OSError:
+        pass
