@@ -204,6 +204,27 @@ def test_nested_under_active_run_and_switched_off(tracked, gpulaunch_home):
     assert len(_runs_in(tracked, "tests")) == before
 
 
+def _sleep_forever():
+    print("sleeping", flush=True)
+    time.sleep(600)
+
+
+def test_cancelled_run_is_killed(tracked, gpulaunch_home):
+    handle = distributed(gpus=1)(_sleep_forever).submit()
+    run_id = handle.mlflow_run_id
+    deadline = time.monotonic() + 120
+    while "sleeping" not in handle.logs(0) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    handle.cancel()
+    from gpulaunch.errors import RunCancelledError
+    with pytest.raises(RunCancelledError):
+        handle.result(timeout=120)
+    run = tracked.get_run(run_id)
+    assert run.info.status == "KILLED" and run.data.tags["gpulaunch.state"] == "CANCELLED"
+    assert "sleeping" in open(tracked.download_artifacts(run_id, "logs/attempt0/rank0.log")).read()
+    assert_no_survivors(handle.run_dir)
+
+
 def test_unreachable_store_costs_a_warning_not_the_run(monkeypatch, tracked, gpulaunch_home,
                                                        capfd):
     # Nothing listens on port 9: MLflow's HTTP client retries with backoff for minutes.
