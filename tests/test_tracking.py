@@ -143,6 +143,9 @@ def test_two_rank_run_is_one_mlflow_run(monkeypatch, tracked, gpulaunch_home, ca
     assert re.search(r"_log_loss\s+\S+ \S+\s+[\d.]+s\s+2\s+SUCCEEDED\s+" + run.info.run_id, row)
     logs = _cli(capsys, "logs", run_dir.name, "--rank", "1")
     assert f"rank 1 finished; run {run.info.run_id}" in logs
+    followed = _cli(capsys, "logs", run_dir.name, "--follow")     # ends: the run is over
+    assert f"[rank 0] rank 0 finished; run {run.info.run_id}" in followed
+    assert f"[rank 1] rank 1 finished; run {run.info.run_id}" in followed
 
 
 FAILING_SCRIPT = """

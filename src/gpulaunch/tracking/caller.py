@@ -230,32 +230,30 @@ class CallTracker:
         info = self.wait_ready(self.timeout)
         if not info:
             return
-        _bounded(lambda: self._end(info, state), self.timeout, "finishing the run")
-
-    def _end(self, info: dict, state: str) -> None:
-        client = self._client
-        run_id = info["run_id"]
+        _bounded(lambda: self._collect(info["run_id"], state, info["tracking_uri"]),
+                 self.timeout, "uploading logs and plots")
         status = _STATUS.get(state, "FAILED")
-        try:
-            client.set_tag(run_id, "gpulaunch.state", state)
-            self._log_recorded_params(client, run_id)
-            if self.cfg.log_artifacts:
-                self._upload(client, run_id, state)
-            if self.cfg.plot:
-                from .plots import plot_metrics
-                try:
-                    png = plot_metrics(run_id, self.run.path / "metrics.png",
-                                       tracking_uri=info["tracking_uri"], client=client)
-                    if png is not None:
-                        client.log_artifact(run_id, str(png))
-                except ImportError:
-                    pass            # matplotlib not installed: the UI still shows the curves
-                except Exception as e:  # noqa: BLE001
-                    warn_once("plotting the metrics failed", f"{type(e).__name__}: {e}")
-        finally:
-            client.set_terminated(run_id, status)
+        # The status on its own, after the uploads: slow artifacts never leave it RUNNING.
+        _bounded(lambda: self._client.set_terminated(info["run_id"], status), self.timeout,
+                 "setting the run's final status")
         _merge_json(self.run.path / TRACKING_JSON, {"status": status, "state": state,
                                                     "ended": time.time()})
+
+    def _collect(self, run_id: str, state: str, uri: str) -> None:
+        client = self._client
+        client.set_tag(run_id, "gpulaunch.state", state)
+        self._log_recorded_params(client, run_id)
+        if self.cfg.log_artifacts:
+            self._upload(client, run_id, state)
+        if self.cfg.plot:
+            from .plots import plot_metrics
+            try:
+                png = plot_metrics(run_id, self.run.path / "metrics.png", tracking_uri=uri,
+                                   client=client)
+                if png is not None:
+                    client.log_artifact(run_id, str(png))
+            except ImportError:
+                pass            # matplotlib not installed: the UI still shows the curves
 
     def _log_recorded_params(self, client, run_id: str) -> None:
         """What rank 0 noted with ``tracking.inrank.record_param`` (e.g. prepare()'s strategy)."""
