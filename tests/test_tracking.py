@@ -292,6 +292,7 @@ def _hf_train(out_dir):
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_hf_trainer_reports_into_gpulaunch_run(tracked, gpulaunch_home, tmp_path, capsys):
     before = {r.info.run_id for r in _runs_in(tracked, "tests")}
     assert distributed(gpus=2)(_hf_train).distributed(str(tmp_path / "hf")) == [0, 1]
@@ -338,6 +339,7 @@ def _lightning_train():
 
 
 @pytest.mark.slow
+@pytest.mark.timeout(600)
 def test_lightning_mlflow_logger_writes_into_gpulaunch_run(tracked, gpulaunch_home, capsys):
     before = {r.info.run_id for r in _runs_in(tracked, "tests")}
     ids = distributed(gpus=2)(_lightning_train).distributed()
