@@ -116,7 +116,7 @@ def test_two_rank_run_is_one_mlflow_run(monkeypatch, tracked, gpulaunch_home, ca
     assert p["gpulaunch.strategy"] == "ddp" and p["gpulaunch.mixed_precision"] == "fp32"
     # System metrics from the node agent (CPU workers: no GPU keys).
     cpu = client.get_metric_history(run.info.run_id, "system/node_0/cpu_utilization_percentage")
-    assert len(cpu) >= 1                          # one at the start, one at the end, 1 s apart
+    assert len(cpu) >= 1          # start and end samples merge if the run ends before the first
     assert "system/node_0/system_memory_usage_megabytes" in run.data.metrics
     assert not any("gpu_" in k for k in run.data.metrics)
     # Logs and the run's own files as artifacts; both ranks saw the run id.
