@@ -6,9 +6,12 @@
 # The rest is mlflow-skinny's dependency closure minus what the GPU image already holds
 # (KINDS.md list: requests, protobuf, pyyaml, click, cloudpickle, anyio, psutil, matplotlib,
 # nvidia-ml-py, ... are there).
-# Usage, from the repo root:  bash bench/tracking_gpu_wheels.sh   -> ./.whl/ (ignored by git)
+# Usage, from the repo root:  bash bench/tracking_gpu_wheels.sh   -> ./.whl/mlflow/ (ignored by git)
+# On the GPU machine (carry .whl):
+#   python3 -m pip install -q --no-index --no-deps --target /tmp/mlf .whl/mlflow/*.whl
+#   PYTHONPATH=/tmp/mlf python3 bench/tracking_gpu.py
 set -euo pipefail
-DEST=${1:-.whl}
+DEST=${1:-.whl/mlflow}
 mkdir -p "$DEST"
 PY=${PYTHON:-python3}
 "$PY" -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
@@ -22,4 +25,4 @@ PY=${PYTHON:-python3}
   pyasn1_modules==0.4.2 pycparser==3.12 pydantic==2.14.4 pydantic_core==2.50.5 \
   python-dotenv==1.2.4 smmap==5.0.3 sqlparse==0.6.1 starlette==1.10.0 typing-inspection==0.4.5 \
   uvicorn==0.55.0
-ls "$DEST" | grep -ci -E "mlflow|sqlalchemy|alembic" >/dev/null && du -sh "$DEST"
+echo "$(ls "$DEST" | wc -l) wheels in $DEST ($(du -sh "$DEST" | cut -f1))"
