@@ -12,6 +12,7 @@ Every MLflow call is guarded and time-bounded: a broken store costs a warning, n
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import importlib.metadata
 import os
@@ -126,20 +127,9 @@ class CallTracker:
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
             from mlflow.tracking import MlflowClient
             t = self.target
-            client = MlflowClient(t.tracking_uri)
-            exp_id = t.experiment_id
-            exp_name = t.experiment_name
-            if exp_id is None:
-                exp = client.get_experiment_by_name(exp_name)
-                if exp is None or exp.lifecycle_stage == "deleted":
-                    # Our own store keeps artifacts beside the database, not in the cwd.
-                    root = settings.default_artifact_root() if t.default_store else None
-                    loc = None if root is None else Path(root, exp_name.replace("/", "_")).as_uri()
-                    exp_id = client.create_experiment(exp_name, artifact_location=loc)
-                else:
-                    exp_id = exp.experiment_id
-            else:
-                exp_name = client.get_experiment(exp_id).name
+            with _sqlite_create_lock(t.tracking_uri):
+                client = MlflowClient(t.tracking_uri)
+                exp_id, exp_name = self._experiment(client)
             run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
                                     tags=self._tags())
             run_id = run.info.run_id
@@ -163,6 +153,26 @@ class CallTracker:
         except BaseException as e:  # noqa: BLE001 - tracking must never fail the launch
             warn_once("could not create the run", f"{type(e).__name__}: {e}")
             self._publish(None)
+
+    def _experiment(self, client) -> tuple[str, str]:
+        """The experiment's id and name, created (with our artifact root) if it is new."""
+        t = self.target
+        if t.experiment_id is not None:
+            return t.experiment_id, client.get_experiment(t.experiment_id).name
+        name = t.experiment_name
+        exp = client.get_experiment_by_name(name)
+        if exp is not None and exp.lifecycle_stage != "deleted":
+            return exp.experiment_id, name
+        # Our own store keeps artifacts beside the database, not in the current directory.
+        root = settings.default_artifact_root() if t.default_store else None
+        loc = None if root is None else Path(root, name.replace("/", "_")).as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=loc), name
+        except Exception:  # noqa: BLE001 - another launch (another store) created it just now?
+            exp = client.get_experiment_by_name(name)
+            if exp is None or exp.lifecycle_stage == "deleted":
+                raise
+            return exp.experiment_id, name
 
     def _publish(self, info: dict | None) -> None:
         if self._ready.is_set():
@@ -285,6 +295,25 @@ class CallTracker:
                     continue
                 if path.suffix in (".log", ".stacks", ".json") and path.stat().st_size > 0:
                     client.log_artifact(run_id, str(path), f"logs/attempt{attempt}")
+
+
+@contextlib.contextmanager
+def _sqlite_create_lock(uri: str):
+    """Serialise first use of a sqlite store between processes: MLflow builds the schema on
+    first open, and concurrent launches on a new store otherwise fail in its migrations
+    ("duplicate column name") or stall."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+    path = Path(uri[len("sqlite:///"):] + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _error_report(tracker: CallTracker, state: str) -> str:
