@@ -33,6 +33,7 @@ class RunHandle:
         self._run = run
         self.run_id = run.run.run_id
         self.run_dir = str(run.run.path)
+        self._tracker = getattr(run, "tracker", None)
         self._thread = None
         if background:
             self._thread = threading.Thread(target=run.wait, name=f"gpulaunch-{self.run_id}",
@@ -43,6 +44,14 @@ class RunHandle:
     def status(self) -> str:
         """PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED or TIMED_OUT."""
         return self._run.state
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run of this launch (None when tracking is off or its store failed)."""
+        if self._tracker is None:
+            return None
+        info = self._tracker.wait_ready()
+        return info["run_id"] if info else None
 
     def done(self) -> bool:
         return self._run.finished
@@ -91,7 +100,7 @@ class DistributedFunction:
     def __init__(self, func, *, gpus=None, gpu_type=None, remote=False, timeout=DEFAULT_TIMEOUT,
                  hang_timeout=None, max_restarts=0, shutdown_grace=DEFAULT_SHUTDOWN_GRACE,
                  stream_logs="all", env=None, max_arg_bytes=DEFAULT_MAX_ARG_BYTES, cluster=None,
-                 plan=None):
+                 plan=None, tracking=None):
         if not callable(func):
             raise ConfigurationError(f"@distributed decorates a function; got {func!r}.")
         self.func = func
@@ -110,6 +119,10 @@ class DistributedFunction:
         if cluster is not None:
             from .backends.ray.cluster import RayCluster
             RayCluster.coerce(cluster)   # a bad setting fails here, at decoration time
+        from .tracking import settings as _tracking_settings
+        self.tracking = _tracking_settings.normalize(tracking)   # bad values fail here
+        if self.tracking.enabled:
+            _tracking_settings.enabled(self.tracking)   # tracking=True without mlflow: say so now
         self._signature = inspect.signature(func)
         functools.update_wrapper(self, func)
         # Check the settings now (bad values fail at decoration time, not at the first call);
@@ -129,12 +142,13 @@ class DistributedFunction:
                     timeout=self.timeout, hang_timeout=self.hang_timeout,
                     max_restarts=self.max_restarts, shutdown_grace=self.shutdown_grace,
                     stream_logs=self.stream_logs, env=self.env, max_arg_bytes=self.max_arg_bytes,
-                    cluster=self.cluster, plan=self.plan)
+                    cluster=self.cluster, plan=self.plan, tracking=self.tracking)
 
     def _resolve(self) -> LaunchSpec:
         s = self._settings()
         s.pop("max_arg_bytes")
         s.pop("plan")
+        s.pop("tracking")
         if s.pop("cluster") is not None:
             s["remote"] = True
         return resolve(hardware.detect(), **s)
@@ -219,9 +233,13 @@ class DistributedFunction:
         if fit is not None:
             rundir.write_json_atomic(run.path / "plan.json", dataclasses.asdict(fit))
         _announce(spec, run, fit)
+        entry = {"kind": "function"}
+        # tracking hook: the MLflow run of this call (gpulaunch.tracking; None when off)
+        from .tracking.caller import begin as _begin_tracking
+        tracker = _begin_tracking(self.tracking, run, label=self.__name__, spec=spec, entry=entry)
         from .backends.local.launcher import LocalRun
-        return LocalRun(spec, run, {"kind": "function"}, label=self.__name__,
-                        stream=stream).start()
+        return LocalRun(spec, run, entry, label=self.__name__, stream=stream,
+                        tracker=tracker).start()
 
     def __repr__(self) -> str:
         return (f"<DistributedFunction {self.__name__} gpus={self.gpus} "
@@ -254,7 +272,7 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
                 hang_timeout: float | None = None, max_restarts: int = 0,
                 shutdown_grace: float = DEFAULT_SHUTDOWN_GRACE, stream_logs="all",
                 env: dict | None = None, max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES,
-                cluster=None, plan: dict | None = None):
+                cluster=None, plan: dict | None = None, tracking=None):
     """Make a function run on several ranks: ``@distributed(gpus=8, gpu_type="H100")``.
 
     gpus / num_accelerators: ranks on this host; None = every GPU here (2 CPU workers on a
@@ -275,6 +293,9 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
     plan: check GPU memory before launching: ``{"model": "llama-3.1-8b", "strategy": "fsdp",
         "seq_len": 4096, ...}`` (any ``gpulaunch.planner.plan()`` argument). A strategy that would
         not fit is refused with what would (``WontFitError``); ``"on_fail": "warn"`` only warns.
+    tracking: the MLflow run of each call (``gpulaunch.tracking``). None: on when mlflow is
+        installed (``GPULAUNCH_TRACKING=0`` turns it off); False: off; True: required; a string:
+        the experiment name; or ``gpulaunch.tracking.Tracking(experiment=, run_name=, ...)``.
 
     Also usable bare, as ``@distributed``.
     """
@@ -289,5 +310,5 @@ def distributed(num_accelerators=None, accelerator_type=None, remote: bool = Fal
                                    hang_timeout=hang_timeout, max_restarts=max_restarts,
                                    shutdown_grace=shutdown_grace, stream_logs=stream_logs,
                                    env=env, max_arg_bytes=max_arg_bytes, cluster=cluster,
-                                   plan=plan)
+                                   plan=plan, tracking=tracking)
     return wrap

@@ -41,6 +41,10 @@ def _add_run(sub) -> None:
                         "seq_len=4096 (keys of `gpulaunch plan`; refuses a strategy that would not fit)")
     p.add_argument("--nnodes", default="1", help="only 1 here (multi-node runs use Ray)")
     p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
+    p.add_argument("--no-tracking", action="store_true",
+                   help="no MLflow run for this launch (also: GPULAUNCH_TRACKING=0)")
+    p.add_argument("--experiment", default=None, help="MLflow experiment name (default: gpulaunch)")
+    p.add_argument("--run-name", default=None, help="MLflow run name (default: the script name)")
     p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
     p.add_argument("--no-python", action="store_true", help="run the program directly (torchrun's "
                    "flag); same as putting it after --")
@@ -120,7 +124,13 @@ def cmd_run(args) -> int:
         print(f"gpulaunch: run {run.run_id}: {spec.world_size} {kind}", flush=True)
         if fit is not None:
             print(f"gpulaunch: plan: {fit.message}", flush=True)
-    local = LocalRun(spec, run, entry, label=label, stream=True).start()
+    # tracking hook: the MLflow run of this launch (gpulaunch.tracking; None when off)
+    from .tracking import Tracking
+    from .tracking.caller import begin as begin_tracking
+    tracking = Tracking(enabled=False) if args.no_tracking else \
+        Tracking(experiment=args.experiment, run_name=args.run_name)
+    tracker = begin_tracking(tracking, run, label=label, spec=spec, entry=entry)
+    local = LocalRun(spec, run, entry, label=label, stream=True, tracker=tracker).start()
     try:
         local.wait()
     except KeyboardInterrupt:
@@ -151,9 +161,15 @@ def _runs(limit: int) -> list[RunDir]:
 
 
 def _state(run: RunDir) -> str:
-    state = run.status().get("state", "?")
-    if state == "STOPPED":
-        return "STOPPED"
+    status = run.status()
+    state = status.get("state", "?")
+    final = (read_json(run.path / "tracking.json", {}) or {}).get("state")
+    if final:                       # the caller's verdict: it also knows TIMED_OUT/CANCELLED
+        return final
+    if state in ("STARTING", "RUNNING", "RESTARTING") and status.get("agent_pid"):
+        from .launch.procutil import pid_alive
+        if not pid_alive(int(status["agent_pid"])):
+            return "DIED"           # its agent was killed without writing an end state
     return state
 
 
@@ -163,14 +179,21 @@ def cmd_runs(args) -> int:
         launch, status = run.launch(), run.status()
         start = launch.get("started")
         end = status.get("ended")
-        rows.append((run.run_id, launch.get("label", "?"),
-                     _dt.datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M:%S") if start else "?",
-                     f"{end - start:.1f}s" if start and end else "-",
-                     str(launch.get("world_size", "?")), _state(run)))
+        row = (run.run_id, launch.get("label", "?"),
+               _dt.datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M:%S") if start else "?",
+               f"{end - start:.1f}s" if start and end else "-",
+               str(launch.get("world_size", "?")), _state(run))
+        if args.long:
+            mlflow_id = status.get("mlflow_run_id") or \
+                (read_json(run.path / "tracking.json", {}) or {}).get("run_id") or "-"
+            row += (mlflow_id,)
+        rows.append(row)
     if not rows:
         print(f"no runs under {rundir.runs_root()}")
         return 0
     header = ("RUN", "FUNCTION/SCRIPT", "STARTED", "DURATION", "WORLD", "STATUS")
+    if args.long:
+        header += ("MLFLOW RUN",)
     widths = [max(len(r[i]) for r in rows + [header]) for i in range(len(header))]
     for row in [header] + rows:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip())
@@ -196,9 +219,12 @@ def _find_run(ref: str) -> RunDir:
 def cmd_logs(args) -> int:
     run = _find_run(args.run)
     world = int(run.launch().get("world_size", 1))
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise errors.ConfigurationError(f"--rank {args.rank}: run {run.run_id} has ranks "
+                                        f"0..{world - 1}")
     ranks = [args.rank] if args.rank is not None else list(range(world))
     attempts = run.attempts()
-    if not attempts:
+    if not attempts and not args.follow:
         print("(no logs yet)")
         return 0
     if not args.follow:
@@ -214,7 +240,8 @@ def cmd_logs(args) -> int:
                 for r in ranks:
                     streamer.watch(r, run.rank_file(a, r, "log"))
             streamer.pump()
-            if run.status().get("state") in ("SUCCEEDED", "FAILED", "STOPPED", "AGENT_ERROR"):
+            if _state(run) in ("SUCCEEDED", "FAILED", "STOPPED", "AGENT_ERROR", "DIED",
+                               "CANCELLED", "TIMED_OUT"):
                 streamer.pump(final=True)
                 return 0
             time.sleep(0.2)
@@ -275,6 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     _add_run(sub)
     p = sub.add_parser("runs", help="list recent runs")
     p.add_argument("--limit", type=int, default=20)
+    p.add_argument("--long", "-l", action="store_true", help="also show each MLflow run id")
     p = sub.add_parser("logs", help="print a run's logs")
     p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
     p.add_argument("--rank", type=int, default=None)

@@ -404,6 +404,10 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
         cpu_offload = False
     if isinstance(optimizer, torch.optim.Optimizer):
         _check_optimizer_owns(optimizer, model)
+    # tracking hook: the chosen strategy becomes a parameter of the launch's MLflow run
+    from ..tracking.inrank import record_param
+    record_param("strategy", strategy)
+    record_param("mixed_precision", mixed_precision or "fp32")
 
     if strategy.startswith("zero"):
         return _prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activation_checkpointing,

@@ -142,7 +142,7 @@ class GpulaunchAgent(LocalElasticAgent):
 def _watch_caller(stop_event: threading.Event) -> None:
     """The caller holds our stdin's write end. EOF = the caller is gone: stop everything."""
     try:
-        while sys.stdin.buffer.read(1):
+        while os.read(sys.stdin.fileno(), 1):  # unbuffered: no lock held at shutdown
             pass
     except (OSError, ValueError):
         pass
@@ -234,11 +234,18 @@ def main(argv: list[str] | None = None) -> int:
     if a.watch_stdin:
         threading.Thread(target=_watch_caller, args=(stop_event,), daemon=True).start()
 
+    node_tracking = None
     try:
         _worker_env(launch, run, node_rank)
         port = int(launch.get("port") or 0)
         if node_rank > 0 and launch.get("port_file"):
             port = _wait_for_port(Path(launch["port_file"]))
+        # tracking hook (gpulaunch.tracking.node): MLflow ids for the ranks, system metrics
+        if launch.get("tracking"):
+            from ...tracking import node as _tracking_node
+            node_tracking = _tracking_node.setup(launch, run, node_rank)
+            if node_tracking is not None:
+                status.update(mlflow_run_id=node_tracking.info["run_id"])
         rdzv = BoundStaticRendezvous(
             bind_host=launch.get("bind_host", "127.0.0.1"), port=port,
             connect_host=launch.get("master_addr"), node_rank=node_rank, nnodes=nnodes,
@@ -258,15 +265,21 @@ def main(argv: list[str] | None = None) -> int:
         result = agent.run()
     except SignalException as e:
         stop_event.set()
+        if node_tracking is not None:
+            node_tracking.stop()
         status.update(state="STOPPED", signal=signal.Signals(e.sigval).name, ended=time.time())
         return 128 + int(e.sigval)
     except BaseException as e:  # noqa: BLE001 - the caller must learn why
         stop_event.set()
+        if node_tracking is not None:
+            node_tracking.stop()
         status.update(state="AGENT_ERROR", error=f"{type(e).__name__}: {e}",
                       traceback=traceback.format_exc(), ended=time.time())
         traceback.print_exc()
         return 2
     stop_event.set()
+    if node_tracking is not None:
+        node_tracking.stop()
     if result.is_failed():
         status.update(state="FAILED", failures=_failures_to_json(result.failures),
                       ended=time.time())

@@ -60,12 +60,13 @@ class LocalRun:
     """One run on this host. ``step()`` advances it; ``stop()`` ends it; ``outcome()`` reads it."""
 
     def __init__(self, spec: LaunchSpec, run: RunDir, entry: dict, *, label: str,
-                 stream: bool = True, write=None, node: "NodePlacement | None" = None):
+                 stream: bool = True, write=None, node: "NodePlacement | None" = None, tracker=None):
         self.spec = spec
         self.node = node or NodePlacement()
         self.run = run
         self.entry = entry
         self.label = label
+        self.tracker = tracker              # gpulaunch.tracking.caller.CallTracker or None
         self.reason: str | None = None      # "timeout" / "cancelled" when we stopped it
         self.proc: subprocess.Popen | None = None
         self.finished = False
@@ -89,6 +90,8 @@ class LocalRun:
             "started": time.time(),
             "world_size": self.spec.world_size,
         }
+        if self.tracker is not None:        # tracking hook: the agent hands MLflow ids to ranks
+            launch["tracking"] = self.tracker.launch_fields()
         write_json_atomic(self.run.launch_json, launch)
         with open(self.run.agent_log, "wb") as agent_log:
             self.proc = subprocess.Popen(
@@ -155,6 +158,8 @@ class LocalRun:
         if self.streamer:
             self.streamer.pump(final=True)
         self.kill_leftovers()
+        if self.tracker is not None:        # tracking hook: logs, report, final MLflow status
+            self.tracker.end(self.state)
 
     def kill_leftovers(self) -> list[int]:
         """Any rank (or a rank's child) still alive after its agent ended is killed now."""

@@ -1,0 +1,353 @@
+"""The caller's side of a tracked launch: one MLflow run per call, opened and closed here.
+
+The run is created by the caller, never by a rank: a rank that dies setting up a tracker takes
+its peers down with it (gloo "Connection closed by peer"), and only the caller outlives every
+outcome (success, a failing rank, timeout, cancel) to mark the run FINISHED / FAILED / KILLED.
+
+Importing MLflow and building a fresh sqlite store take seconds, so that work runs in a thread
+while the node agent starts (it imports torch meanwhile); the agent waits for ``tracking.json``
+in the run directory before it starts the ranks, so every rank is born with ``MLFLOW_RUN_ID``.
+Every MLflow call is guarded and time-bounded: a broken store costs a warning, never the run.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import getpass
+import importlib.metadata
+import os
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ..launch.rundir import RunDir, hostname, read_json, write_json_atomic
+from . import settings
+from .settings import Tracking
+
+TRACKING_JSON = "tracking.json"
+# gpulaunch state -> MLflow run status
+_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "TIMED_OUT": "FAILED",
+           "CANCELLED": "KILLED"}
+_VERSIONS = ("torch", "gpulaunch", "mlflow", "transformers", "accelerate", "trl", "peft",
+             "deepspeed", "lightning", "ray", "nvidia-ml-py")
+_warned: set[str] = set()
+
+
+def warn_once(what: str, detail: str = "") -> None:
+    """One line on stderr per kind of problem per process; tracking never raises into a run."""
+    if what in _warned:
+        return
+    _warned.add(what)
+    sys.stderr.write(f"gpulaunch: MLflow tracking: {what}{': ' + detail if detail else ''} "
+                     "(the run itself continues; pass tracking=False or set "
+                     "GPULAUNCH_TRACKING=0 to silence)\n")
+    sys.stderr.flush()
+
+
+def _versions() -> dict[str, str]:
+    out = {"python": platform.python_version()}
+    for dist in _VERSIONS:
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return out
+
+
+def _bounded(fn, timeout: float, what: str):
+    """Run ``fn`` in a daemon thread; its result, or None after ``timeout`` s or an error."""
+    box: dict = {}
+
+    def target():
+        try:
+            box["value"] = fn()
+        except BaseException as e:  # noqa: BLE001
+            box["error"] = e
+
+    th = threading.Thread(target=target, name=f"gpulaunch-mlflow-{what}", daemon=True)
+    th.start()
+    th.join(timeout)
+    if th.is_alive():
+        warn_once(f"{what} took longer than {timeout:g} s", "skipped")
+        return None
+    if "error" in box:
+        e = box["error"]
+        warn_once(f"{what} failed", f"{type(e).__name__}: {e}")
+        return None
+    return box.get("value")
+
+
+class CallTracker:
+    """The MLflow run of one launch. ``begin()`` builds it; the launcher calls
+    ``launch_fields()`` when it writes launch.json and ``end(state)`` when the run is over."""
+
+    def __init__(self, cfg: Tracking, run: RunDir, *, label: str, spec, entry: dict):
+        self.cfg = cfg
+        self.run = run
+        self.label = label
+        self.spec = spec
+        self.entry = entry
+        self.target = settings.target(cfg)          # in the caller's thread, on purpose
+        self.timeout = settings.setup_timeout()
+        self.info: dict | None = None                # run_id, experiment, uri once created
+        self._ready = threading.Event()
+        self._ended = False
+        self._client = None
+        self._thread = threading.Thread(target=self._setup, name="gpulaunch-mlflow-setup",
+                                        daemon=True)
+        self._thread.start()
+        # If setup hangs (an unreachable server retries for minutes), tell the agent to go on.
+        self._watchdog = threading.Timer(self.timeout, self._give_up)
+        self._watchdog.daemon = True
+        self._watchdog.start()
+
+    # ------------------------------------------------------------------ identity
+    @property
+    def run_id(self) -> str | None:
+        return (self.info or {}).get("run_id")
+
+    def wait_ready(self, timeout: float | None = None) -> dict | None:
+        """The run's ids once created (None if tracking was given up for this launch)."""
+        self._ready.wait(self.timeout if timeout is None else timeout)
+        return self.info
+
+    def launch_fields(self, wait: bool = False) -> dict:
+        """What launch.json carries. A node agent that shares this run directory waits for
+        ``tracking.json``; a backend whose agents cannot see it passes ``wait=True``."""
+        if wait:
+            info = self.wait_ready()
+            return dict(info or {"disabled": True})
+        return {"pending": TRACKING_JSON, "wait_s": self.timeout + 5}
+
+    # ------------------------------------------------------------------ setup (thread)
+    def _setup(self) -> None:
+        try:
+            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+            from mlflow.tracking import MlflowClient
+            t = self.target
+            with _sqlite_create_lock(t.tracking_uri):
+                client = MlflowClient(t.tracking_uri)
+                exp_id, exp_name = self._experiment(client)
+            run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
+                                    tags=self._tags())
+            run_id = run.info.run_id
+            if self._ready.is_set():     # given up already: the ranks run untracked
+                client.set_terminated(run_id, "KILLED")
+                return
+            self._client = client
+            info = {"run_id": run_id, "experiment_id": exp_id, "experiment_name": exp_name,
+                    "tracking_uri": t.tracking_uri, "parent_run_id": t.parent_run_id,
+                    "system_metrics_interval": self.cfg.interval if self.cfg.system_metrics
+                    else None, "ui": self.ui_hint(t.tracking_uri, exp_id, run_id)}
+            self._publish(info)
+            try:
+                client.log_batch(run_id, params=self._params())
+            except Exception as e:  # noqa: BLE001 - params are a nicety; the run is there
+                warn_once("logging launch parameters failed", f"{type(e).__name__}: {e}")
+            if not os.environ.get("GPULAUNCH_QUIET"):
+                sys.stdout.write(f"gpulaunch: MLflow run {run_id} (experiment {exp_name!r}); "
+                                 f"{info['ui']}\n")
+                sys.stdout.flush()
+        except BaseException as e:  # noqa: BLE001 - tracking must never fail the launch
+            warn_once("could not create the run", f"{type(e).__name__}: {e}")
+            self._publish(None)
+
+    def _experiment(self, client) -> tuple[str, str]:
+        """The experiment's id and name, created (with our artifact root) if it is new."""
+        t = self.target
+        if t.experiment_id is not None:
+            return t.experiment_id, client.get_experiment(t.experiment_id).name
+        name = t.experiment_name
+        exp = client.get_experiment_by_name(name)
+        if exp is not None and exp.lifecycle_stage != "deleted":
+            return exp.experiment_id, name
+        # Our own store keeps artifacts beside the database, not in the current directory.
+        root = settings.default_artifact_root() if t.default_store else None
+        loc = None if root is None else Path(root, name.replace("/", "_")).as_uri()
+        try:
+            return client.create_experiment(name, artifact_location=loc), name
+        except Exception:  # noqa: BLE001 - another launch (another store) created it just now?
+            exp = client.get_experiment_by_name(name)
+            if exp is None or exp.lifecycle_stage == "deleted":
+                raise
+            return exp.experiment_id, name
+
+    def _publish(self, info: dict | None) -> None:
+        if self._ready.is_set():
+            return
+        self.info = info
+        try:
+            write_json_atomic(self.run.path / TRACKING_JSON, info or {"disabled": True})
+        except OSError:
+            pass
+        self._ready.set()
+        self._watchdog.cancel()
+
+    def _give_up(self) -> None:
+        if not self._ready.is_set():
+            warn_once(f"the store did not answer within {self.timeout:g} s "
+                      f"({self.target.tracking_uri})", "this run is not tracked")
+            self._publish(None)
+
+    def _tags(self) -> dict[str, str]:
+        kind = self.entry.get("kind", "function")
+        source = self.label if kind == "function" else " ".join(self.entry.get("argv", []))
+        tags = {"gpulaunch.run_id": self.run.run_id, "gpulaunch.run_dir": str(self.run.path),
+                "gpulaunch.entry": kind, "mlflow.source.name": source[:500],
+                "mlflow.source.type": "LOCAL", "host": hostname()}
+        try:
+            tags["mlflow.user"] = getpass.getuser()
+        except Exception:  # noqa: BLE001
+            pass
+        if self.target.parent_run_id:
+            tags["mlflow.parentRunId"] = self.target.parent_run_id
+        for k, v in (self.cfg.tags or {}).items():
+            tags[str(k)] = str(v)
+        return tags
+
+    def _params(self):
+        from mlflow.entities import Param
+        s = self.spec
+        gpu = getattr(s.gpu_type, "name", None) if s.gpu_type else None
+        values = {"world_size": s.world_size, "nproc_per_node": s.nproc_per_node,
+                  "nnodes": s.nnodes, "device": s.device, "backend": s.backend,
+                  "gpu_type": gpu or ("cpu" if s.device == "cpu" else "unknown"),
+                  "function": self.label, "entry": self.entry.get("kind", "function"),
+                  "timeout": s.timeout, "max_restarts": s.max_restarts, "remote": s.remote,
+                  "run_dir": str(self.run.path)}
+        # Prefixed: MLflow params are write-once, and HF/Lightning log their own names.
+        params = [Param(f"gpulaunch.{k}", str(v)[:6000]) for k, v in values.items()]
+        params += [Param(f"version.{k}", v) for k, v in _versions().items()]
+        return params
+
+    @staticmethod
+    def ui_hint(uri: str, exp_id: str, run_id: str) -> str:
+        if uri.startswith(("http://", "https://")):
+            return f"view: {uri.rstrip('/')}/#/experiments/{exp_id}/runs/{run_id}"
+        if uri == "databricks" or uri.startswith("databricks"):
+            return "view: the Experiments page of your Databricks workspace"
+        return f"view: mlflow ui --backend-store-uri {uri}"
+
+    # ------------------------------------------------------------------ end
+    def end(self, state: str) -> None:
+        """Upload logs and the status/error report, plot the curves, set the final status.
+        Bounded in time; never raises."""
+        if self._ended:
+            return
+        self._ended = True
+        info = self.wait_ready(self.timeout)
+        if not info:
+            return
+        _bounded(lambda: self._collect(info["run_id"], state, info["tracking_uri"]),
+                 self.timeout, "uploading logs and plots")
+        status = _STATUS.get(state, "FAILED")
+        # The status on its own, after the uploads: slow artifacts never leave it RUNNING.
+        _bounded(lambda: self._client.set_terminated(info["run_id"], status), self.timeout,
+                 "setting the run's final status")
+        _merge_json(self.run.path / TRACKING_JSON, {"status": status, "state": state,
+                                                    "ended": time.time()})
+
+    def _collect(self, run_id: str, state: str, uri: str) -> None:
+        client = self._client
+        client.set_tag(run_id, "gpulaunch.state", state)
+        self._log_recorded_params(client, run_id)
+        if self.cfg.log_artifacts:
+            self._upload(client, run_id, state)
+        if self.cfg.plot:
+            from .plots import plot_metrics
+            try:
+                png = plot_metrics(run_id, self.run.path / "metrics.png", tracking_uri=uri,
+                                   client=client)
+                if png is not None:
+                    client.log_artifact(run_id, str(png))
+            except ImportError:
+                pass            # matplotlib not installed: the UI still shows the curves
+
+    def _log_recorded_params(self, client, run_id: str) -> None:
+        """What rank 0 noted with ``tracking.inrank.record_param`` (e.g. prepare()'s strategy)."""
+        from mlflow.entities import Param
+
+        from .inrank import PARAMS_FILE
+        recorded = read_json(self.run.path / PARAMS_FILE, {}) or {}
+        if recorded:
+            client.log_batch(run_id, params=[Param(f"gpulaunch.{k}", str(v)[:6000])
+                                             for k, v in recorded.items()])
+
+    def _upload(self, client, run_id: str, state: str) -> None:
+        run = self.run
+        if state != "SUCCEEDED":
+            report = _error_report(self, state)
+            if report:
+                (run.path / "error.txt").write_text(report)
+        for name in ("status.json", "launch.json", "agent.log", "hang.json", "error.txt",
+                     TRACKING_JSON):
+            path = run.path / name
+            if path.exists():
+                client.log_artifact(run_id, str(path), "gpulaunch")
+        for extra in sorted(run.path.glob("status.node*.json")):
+            client.log_artifact(run_id, str(extra), "gpulaunch")
+        for attempt in run.attempts():
+            adir = run.attempt_dir(attempt)
+            for path in sorted(adir.iterdir()):
+                if not path.is_file() or path.name.endswith((".pkl", ".tmp")):
+                    continue
+                if path.suffix in (".log", ".stacks", ".json") and path.stat().st_size > 0:
+                    client.log_artifact(run_id, str(path), f"logs/attempt{attempt}")
+
+
+@contextlib.contextmanager
+def _sqlite_create_lock(uri: str):
+    """Serialise first use of a sqlite store between processes: MLflow builds the schema on
+    first open, and concurrent launches on a new store otherwise fail in its migrations
+    ("duplicate column name") or stall."""
+    if not uri.startswith("sqlite:///"):
+        yield
+        return
+    import fcntl
+    path = Path(uri[len("sqlite:///"):] + ".lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _error_report(tracker: CallTracker, state: str) -> str:
+    """The same error text the caller is about to raise, for the run's artifacts."""
+    from ..launch import report
+    spec = tracker.spec
+    reason = {"TIMED_OUT": "timeout", "CANCELLED": "cancelled"}.get(state)
+    try:
+        report.raise_for_run(tracker.run, reason=reason, timeout=spec.timeout,
+                             world_size=spec.world_size)
+    except BaseException as e:  # noqa: BLE001 - this is the point
+        import traceback
+        # Without the caller's frames: the rank's traceback is chained in as the cause.
+        return "".join(traceback.format_exception(type(e), e, None))
+    return ""
+
+
+def _merge_json(path: Path, extra: dict) -> None:
+    data = read_json(path, {}) or {}
+    data.update(extra)
+    try:
+        write_json_atomic(path, data)
+    except OSError:
+        pass
+
+
+def begin(tracking, run: RunDir, *, label: str, spec, entry: dict) -> CallTracker | None:
+    """A tracker for this launch, or None when tracking is off. Raises only for a user error
+    (``tracking=True`` without mlflow); everything after that is guarded."""
+    cfg = settings.normalize(tracking)
+    if not settings.enabled(cfg):
+        return None
+    try:
+        return CallTracker(cfg, run, label=label, spec=spec, entry=entry)
+    except Exception as e:  # noqa: BLE001
+        warn_once("could not start", f"{type(e).__name__}: {e}")
+        return None

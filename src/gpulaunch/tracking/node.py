@@ -1,0 +1,86 @@
+"""The node agent's side of tracking: give the ranks the run's MLflow ids, sample the node.
+
+Called from ``backends/local/agent.py`` before the ranks start. With the ids in the
+environment, ``mlflow.log_metric`` in a rank, HF ``report_to="mlflow"`` (it honours
+``MLFLOW_RUN_ID``) and Lightning's ``MLFlowLogger(run_id=gpulaunch.tracking.run_id())`` all
+write into the run the caller created. Nothing here imports MLflow in the agent's main thread.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+from ..launch.rundir import RunDir, read_json
+
+RUN_ID_ENV = "GPULAUNCH_MLFLOW_RUN_ID"   # MLflow deletes MLFLOW_RUN_ID once it resumes the run
+
+
+def _log(msg: str) -> None:
+    sys.stderr.write(f"gpulaunch-agent: tracking: {msg}\n")
+    sys.stderr.flush()
+
+
+def resolve_info(launch: dict, run: RunDir) -> dict | None:
+    """The run's ids from launch.json, or from tracking.json once the caller wrote it."""
+    info = launch.get("tracking")
+    if not info:
+        return None
+    pending = info.get("pending")
+    if pending:
+        deadline = time.monotonic() + float(info.get("wait_s", 65))
+        path = run.path / pending
+        info = None
+        while time.monotonic() < deadline:
+            info = read_json(path)
+            if info is not None:
+                break
+            time.sleep(0.05)
+        if info is None:
+            _log(f"no {pending} from the caller in time; ranks run untracked")
+            return None
+    return info if info.get("run_id") else None
+
+
+def worker_env(info: dict) -> dict[str, str]:
+    env = {"MLFLOW_TRACKING_URI": info["tracking_uri"], "MLFLOW_RUN_ID": info["run_id"],
+           RUN_ID_ENV: info["run_id"], "MLFLOW_EXPERIMENT_ID": str(info["experiment_id"])}
+    if info.get("experiment_name"):
+        # HF's callback calls set_experiment(MLFLOW_EXPERIMENT_NAME): it must name the run's.
+        env["MLFLOW_EXPERIMENT_NAME"] = info["experiment_name"]
+    return env
+
+
+class NodeTracking:
+    """What ``setup()`` started on this node; ``stop()`` at the agent's exit."""
+
+    def __init__(self, info: dict, logger=None):
+        self.info = info
+        self.logger = logger
+
+    def stop(self) -> None:
+        if self.logger is not None:
+            self.logger.stop()
+
+
+def setup(launch: dict, run: RunDir, node_rank: int) -> NodeTracking | None:
+    """Export the run's ids to the ranks' environment and start the system-metrics thread.
+    Never raises: a problem here costs the run its tracking, not its training."""
+    try:
+        info = resolve_info(launch, run)
+        if info is None:
+            return None
+        os.environ.update(worker_env(info))
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        logger = None
+        interval = info.get("system_metrics_interval")
+        if interval:
+            from .system import SystemMetricsLogger
+            nproc = int((launch.get("spec") or {}).get("nproc_per_node") or 0) or None
+            logger = SystemMetricsLogger(info["run_id"], info["tracking_uri"], node_rank,
+                                         float(interval), nproc=nproc, log=_log).start()
+        return NodeTracking(info, logger)
+    except Exception as e:  # noqa: BLE001
+        _log(f"disabled on this node: {type(e).__name__}: {e}")
+        return None

@@ -1,0 +1,169 @@
+"""System metrics of one node, sampled by its node agent while the run is alive.
+
+It runs in the agent (one per node), not in a rank: each node of a multi-node run logs its own
+series, keyed ``system/node_<k>/...`` as MLflow's own monitor does with
+``MLFLOW_SYSTEM_METRICS_NODE_ID``, so the MLflow UI's "System metrics" tab shows them. The
+names match MLflow's (``cpu_utilization_percentage``, ``gpu_0_memory_usage_megabytes``, ...).
+
+Why not MLflow's ``SystemMetricsMonitor`` itself: it reports every GPU NVML sees (not the ones
+this run uses, under their CUDA index), its first sample comes only after the 10 s interval, it
+blocks ``finish()`` on a thread that may be stuck in a dead store, and it stops as soon as a
+rank's library ends the run (HF and Lightning mark it FINISHED before the other ranks are done).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import psutil
+
+PREFIX = "system"
+
+
+def visible_gpus(nproc: int | None = None) -> list[str] | None:
+    """NVML ids of the GPUs this node's ranks see, by CUDA index (index or UUID strings);
+    None means "all"; [] means none (CPU workers)."""
+    raw = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if raw is None:
+        return None
+    ids = [v.strip() for v in raw.split(",") if v.strip()]
+    out = []
+    for v in ids:
+        if v.startswith("-"):        # CUDA stops at the first invalid entry
+            break
+        out.append(v)
+    return out[:nproc] if nproc else out
+
+
+class NodeSampler:
+    """One call of ``sample()`` = one dict of metric name -> value for this node."""
+
+    def __init__(self, node_rank: int, *, nproc: int | None = None, root_pid: int | None = None):
+        self.prefix = f"{PREFIX}/node_{node_rank}/"
+        self.root = psutil.Process(root_pid or os.getpid())
+        self.gpus: list[tuple[int, object]] = []
+        self.gpu_error: str | None = None
+        self._nvml = None
+        psutil.cpu_percent(None)     # prime: the first reading is relative to this call
+        ids = visible_gpus(nproc)
+        if ids != []:
+            self._init_nvml(ids, nproc)
+
+    def _init_nvml(self, ids: list[str] | None, nproc: int | None) -> None:
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+        except Exception as e:  # noqa: BLE001 - no driver, no library: no GPU metrics
+            self.gpu_error = f"{type(e).__name__}: {e}"
+            return
+        self._nvml = pynvml
+        try:
+            if ids is None:
+                count = pynvml.nvmlDeviceGetCount()
+                ids = [str(i) for i in range(min(count, nproc or count))]
+            for cuda_index, ident in enumerate(ids):
+                if ident.isdigit():
+                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(ident))
+                else:
+                    handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
+                self.gpus.append((cuda_index, handle))
+        except Exception as e:  # noqa: BLE001 - e.g. MIG ids; CPU/host metrics still work
+            self.gpu_error = f"{type(e).__name__}: {e}"
+
+    def sample(self) -> dict[str, float]:
+        m: dict[str, float] = {}
+        m["cpu_utilization_percentage"] = psutil.cpu_percent(None)
+        vm = psutil.virtual_memory()
+        m["system_memory_usage_megabytes"] = vm.used / 1e6
+        m["system_memory_usage_percentage"] = vm.used / vm.total * 100
+        rss = 0
+        try:
+            for p in self.root.children(recursive=True):
+                try:
+                    rss += p.memory_info().rss
+                except psutil.Error:
+                    pass
+        except psutil.Error:
+            pass
+        m["ranks_memory_rss_megabytes"] = rss / 1e6
+        nv = self._nvml
+        for i, h in self.gpus:
+            for name, read in (
+                ("utilization_percentage", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
+                ("memory_usage_megabytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 1e6),
+                ("memory_usage_percentage",
+                 lambda: (lambda mi: mi.used / mi.total * 100)(nv.nvmlDeviceGetMemoryInfo(h))),
+                ("power_usage_watts", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000),
+                ("power_usage_percentage", lambda: nv.nvmlDeviceGetPowerUsage(h)
+                 / nv.nvmlDeviceGetEnforcedPowerLimit(h) * 100),
+                ("temperature_celsius", lambda: nv.nvmlDeviceGetTemperature(h, 0)),
+            ):
+                try:
+                    m[f"gpu_{i}_{name}"] = float(read())
+                except Exception:  # noqa: BLE001 - a counter this GPU lacks
+                    pass
+        return {self.prefix + k: round(v, 2) for k, v in m.items()}
+
+
+class SystemMetricsLogger:
+    """A daemon thread that samples every ``interval`` s and logs into the MLflow run.
+
+    The first sample is taken at once and the last one at ``stop()``, so even a short run has
+    a point at each end. A failing store is reported once and retried at the next sample;
+    ``stop()`` waits a bounded time, so a dead store never holds the agent."""
+
+    def __init__(self, run_id: str, tracking_uri: str, node_rank: int, interval: float, *,
+                 nproc: int | None = None, log=None):
+        self.run_id = run_id
+        self.tracking_uri = tracking_uri
+        self.node_rank = node_rank
+        self.interval = max(0.2, float(interval))
+        self.nproc = nproc
+        self.log = log or (lambda msg: None)
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="gpulaunch-system-metrics",
+                                        daemon=True)
+        self._warned = False
+
+    def start(self) -> "SystemMetricsLogger":
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        try:
+            sampler = NodeSampler(self.node_rank, nproc=self.nproc)
+            if sampler.gpu_error:
+                self.log(f"no GPU system metrics ({sampler.gpu_error})")
+            from mlflow.entities import Metric
+            from mlflow.tracking import MlflowClient
+            client = MlflowClient(self.tracking_uri)
+        except Exception as e:  # noqa: BLE001
+            self.log(f"system metrics disabled: {type(e).__name__}: {e}")
+            return
+        step = 0
+        while True:
+            stopping = self._stop.is_set()
+            try:
+                now = int(time.time() * 1000)
+                values = sampler.sample()
+                client.log_batch(self.run_id, metrics=[Metric(k, v, now, step)
+                                                       for k, v in values.items()])
+                self.samples += 1
+                step += 1
+            except Exception as e:  # noqa: BLE001
+                if not self._warned:
+                    self._warned = True
+                    self.log(f"logging system metrics failed (will retry): "
+                             f"{type(e).__name__}: {e}")
+            if stopping or self._stop.wait(self.interval):
+                if not stopping:
+                    continue        # one last sample after stop()
+                return
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout)
