@@ -45,10 +45,10 @@ class Config:
     gpus: Optional[int] = None       # ranks; None: every GPU here (2 CPU workers without one)
     ratings_csv: Optional[str] = None  # your userId,movieId,rating CSV; None: generate one
     data_root: str = "data"          # where the generated CSV is written (once, then reused)
-    users: int = 400                 # generated data: users, items, ratings, hidden factors
-    items: int = 200
-    ratings: int = 24_000
-    factors: int = 8
+    users: int = 300                 # generated data: users, items, ratings, hidden factors
+    items: int = 150
+    ratings: int = 30_000
+    factors: int = 4
     max_rows: int = 100_000          # the seed keeps the first 100,000 rows
     embedding_dim: int = 32
     layer_sizes: str = "32,16"       # tower MLP widths (the seed: 128,64)
@@ -63,8 +63,8 @@ class Config:
     out: Optional[str] = None        # write the result dict here as JSON
 
 
-FULL = dict(users=6000, items=3000, ratings=120_000, embedding_dim=128, layer_sizes="128,64",
-            epochs=3, batch_size=1024)
+FULL = dict(users=1000, items=500, ratings=100_000, embedding_dim=128, layer_sizes="128,64",
+            epochs=5, batch_size=1024)
 
 
 def config_from_argv(argv=None) -> Config:

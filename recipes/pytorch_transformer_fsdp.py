@@ -211,10 +211,10 @@ def train(cfg: Config) -> Optional[dict]:
     rt.print0(f"model: {n_params:,} parameters ({n_params / 1e6:.1f}M), {cfg.blocks} blocks")
     p = prepare(model, lambda ps: torch.optim.AdamW(ps, lr=cfg.lr, weight_decay=cfg.weight_decay),
                 strategy=cfg.strategy, mixed_precision=cfg.mixed_precision)
+    local = sum((q.to_local() if hasattr(q, "to_local") else q).numel() for q in model.parameters())
     if cfg.strategy == "fsdp":
         rt.print0(f"FSDP2: {len(model.blocks)} blocks + the root sharded over {world} ranks; "
-                  f"rank 0 holds {sum(q.to_local().numel() for q in model.parameters()):,} "
-                  "parameter elements")
+                  f"rank 0 holds {local:,} of the {n_params:,} parameters")
 
     train_set = PrototypeSequences(cfg.samples, cfg.seq_len, cfg.dim, cfg.num_classes, cfg.seed)
     eval_set = PrototypeSequences(512, cfg.seq_len, cfg.dim, cfg.num_classes, cfg.seed + 1)
@@ -293,7 +293,8 @@ def train(cfg: Config) -> Optional[dict]:
     if rank != 0:
         return None
     return {"recipe": "pytorch_transformer_fsdp", "world_size": world, "device": device.type,
-            "strategy": cfg.strategy, "parameters": n_params, "metric": "eval_loss",
+            "strategy": cfg.strategy, "parameters": n_params, "params_on_rank0": local,
+            "metric": "eval_loss",
             "before": before_loss, "after": after_loss, "accuracy_before": before_acc,
             "accuracy_after": after_acc, "start_step": start, "resumed_from": resumed_from,
             "final_step": step, "loss_history": history, "checkpoints": saved,
