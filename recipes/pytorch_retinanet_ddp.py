@@ -143,6 +143,10 @@ if cfg.coco_dir is None:  # the stand-in for the seed's volume of COCO images
                                      cfg.val_split: cfg.val_images}, cfg.image_size, cfg.seed)
     print("dataset:", cfg.coco_dir)
 cfg.coco_dir = os.path.abspath(cfg.coco_dir)
+try:  # fail here, in the caller, rather than on every rank
+    import pycocotools  # noqa: F401  (CocoDetection and the COCO mAP both need it)
+except ImportError as e:
+    raise ImportError("this recipe needs pycocotools: pip install pycocotools") from e
 for split in (cfg.train_split, cfg.val_split):
     ann = os.path.join(cfg.coco_dir, "annotations", f"instances_{split}.json")
     if not os.path.isfile(ann) or not os.path.isdir(os.path.join(cfg.coco_dir, split)):

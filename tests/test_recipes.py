@@ -84,6 +84,7 @@ def test_transformer_fsdp_loss_falls_and_resumes_exactly(tmp_path, gpulaunch_hom
 
 
 def test_retinanet_ddp_trains_from_scratch(tmp_path, gpulaunch_home):
+    pytest.importorskip("torchvision")
     r = run_recipe("pytorch_retinanet_ddp", tmp_path, "--data-root", str(tmp_path / "data"))
     assert r["world_size"] == 2
     assert r["lr"] == pytest.approx(0.04 * 2 * 2 / 64)  # scaled with the global batch
