@@ -58,7 +58,7 @@ class Config:
     lr: float = 0.01
     seed: int = 0
     ckpt_dir: str = "checkpoints/lightning_two_tower"
-    mlflow_uri: Optional[str] = "sqlite:///mlflow.db"  # a local store; "" turns MLflow off
+    mlflow_uri: Optional[str] = None  # None: $MLFLOW_TRACKING_URI or sqlite:///mlflow.db; "": off
     experiment: str = "gpulaunch-recipes"
     out: Optional[str] = None        # write the result dict here as JSON
 
@@ -79,6 +79,8 @@ def config_from_argv(argv=None) -> Config:
     cfg = Config(**FULL) if args.pop("full") else Config()
     cfg = dataclasses.replace(cfg, **{k: v for k, v in args.items() if v is not None})
     cfg.ckpt_dir = os.path.abspath(cfg.ckpt_dir)  # the ranks resolve paths on their own
+    if cfg.mlflow_uri is None:  # a store the user (or a launcher) configured, else a local file
+        cfg.mlflow_uri = os.environ.get("MLFLOW_TRACKING_URI", "sqlite:///mlflow.db")
     if cfg.mlflow_uri and cfg.mlflow_uri.startswith("sqlite:///") \
             and not cfg.mlflow_uri.startswith("sqlite:////"):
         cfg.mlflow_uri = "sqlite:///" + os.path.abspath(cfg.mlflow_uri[len("sqlite:///"):])
