@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Every recipe of recipes/ at its GPU (--full) settings on the GPUs of this host, one after the
-# other; for the lent H200 (one GPU) it takes about 5-6 minutes. Writes under $OUT (or ./out):
+# other; for the lent H200 (one GPU) it takes about 5 minutes. Writes under $OUT (or ./out):
 #   recipes.log                     everything printed, in order
 #   <recipe>.json                   each recipe's result dict (metric before/after, throughput,
 #                                   peak GPU memory, loss history, config)
@@ -53,7 +53,7 @@ step lightning_two_tower_ddp "$py" "$r/lightning_two_tower_ddp.py" "${full[@]}" 
   --out "$out/lightning_two_tower_ddp.json"
 # RetinaNet last, with a training-time cap so the whole script stays within ~6 minutes
 step pytorch_retinanet_ddp "$py" "$r/pytorch_retinanet_ddp.py" "${full[@]}" \
-  --max-train-seconds "${RETINANET_SECONDS:-150}" --out "$out/pytorch_retinanet_ddp.json"
+  --max-train-seconds "${RETINANET_SECONDS:-120}" --out "$out/pytorch_retinanet_ddp.json"
 
 "$py" - "$out" <<'EOF' 2>&1 | tee -a "$log"
 import json, pathlib, sys

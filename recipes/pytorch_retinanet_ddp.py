@@ -64,7 +64,7 @@ class Config:
     out: Optional[str] = None        # write the result dict here as JSON
 
 
-FULL = dict(image_size=320, train_images=2400, val_images=200, epochs=5, batch_size=8,
+FULL = dict(image_size=320, train_images=1600, val_images=200, epochs=8, batch_size=8,
             warmup_steps=100, num_workers=8, log_every=50)
 
 
@@ -366,7 +366,7 @@ def train(cfg: Config) -> Optional[dict]:
             "parameters": n_params, "metric": "map", "before": before["map"],
             "after": after["map"], "map_50_before": before["map_50"],
             "map_50_after": after["map_50"], "loss_first": loss_first, "loss_last": loss_last,
-            "steps": step, "lr": lr, "loss_history": losses, "train_seconds": seconds,
+            "steps": step, "stopped_by_time_cap": stopped, "lr": lr, "loss_history": losses, "train_seconds": seconds,
             "samples_per_s": step * global_batch / seconds, "peak_mem_gib": peak,
             "peak_mem_kind": "cuda_max_allocated" if device.type == "cuda" else "cpu_max_rss"}
 
