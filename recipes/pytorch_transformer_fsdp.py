@@ -246,6 +246,8 @@ def train(cfg: Config) -> Optional[dict]:
         info = load_checkpoint(cfg.ckpt_dir, p)
         start = resumed_from = info["step"]
         rt.print0(f"resumed from {info['path']} (step {start})")
+        if start >= cfg.steps:
+            rt.print0(f"already at step {start} >= steps={cfg.steps}: raise --steps to train on")
     else:
         rt.print0(f"no checkpoint under {cfg.ckpt_dir}: starting from scratch")
     before_loss, before_acc = evaluate()
