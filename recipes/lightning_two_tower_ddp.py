@@ -272,6 +272,10 @@ if cfg.mlflow_uri:
 
 def make_logger(cfg):
     from lightning.pytorch.loggers import CSVLogger, MLFlowLogger
+    if os.environ.get("MLFLOW_RUN_ID"):
+        # gpulaunch's tracking opened this call's run: the logger writes into it (its store, its id)
+        from gpulaunch.tracking import mlflow_logger
+        return mlflow_logger(run_name="lightning_two_tower_ddp")
     if not cfg.mlflow_uri:
         return CSVLogger(cfg.ckpt_dir, name="logs")
     return MLFlowLogger(experiment_name=cfg.experiment, tracking_uri=cfg.mlflow_uri,

@@ -28,6 +28,7 @@
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import typing
 from typing import Optional
@@ -122,7 +123,9 @@ def start_mlflow(cfg, run_name: str):
     except ImportError:
         print("note: mlflow is not installed; metrics are only printed and returned")
         return None
-    if cfg.mlflow_uri:
+    # gpulaunch's tracking opened this call's run (MLFLOW_RUN_ID, in its store): log there. To
+    # log elsewhere, point gpulaunch at that store (MLFLOW_TRACKING_URI in the caller).
+    if cfg.mlflow_uri and not os.environ.get("MLFLOW_RUN_ID"):
         mlflow.set_tracking_uri(cfg.mlflow_uri)
     if not os.environ.get("MLFLOW_RUN_ID"):
         mlflow.set_experiment("gpulaunch-recipes")
@@ -203,7 +206,8 @@ def train(cfg: Config) -> Optional[dict]:
         peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
     if tracker:
         tracker.log_metrics({"eval_mse_before": before, "eval_mse_after": after})
-        tracker.end_run()
+        if not os.environ.get("MLFLOW_RUN_ID"):  # gpulaunch ends its own run with the outcome
+            tracker.end_run()
     if rank != 0:
         return None
     return {"recipe": "pytorch_mlp_ddp", "world_size": world, "device": device.type,

@@ -162,7 +162,9 @@ def start_mlflow(cfg, run_name: str):
     except ImportError:
         print("note: mlflow is not installed; metrics are only printed and returned")
         return None
-    if cfg.mlflow_uri:
+    # gpulaunch's tracking opened this call's run (MLFLOW_RUN_ID, in its store): log there. To
+    # log elsewhere, point gpulaunch at that store (MLFLOW_TRACKING_URI in the caller).
+    if cfg.mlflow_uri and not os.environ.get("MLFLOW_RUN_ID"):
         mlflow.set_tracking_uri(cfg.mlflow_uri)
     if not os.environ.get("MLFLOW_RUN_ID"):
         mlflow.set_experiment("gpulaunch-recipes")
@@ -288,7 +290,8 @@ def train(cfg: Config) -> Optional[dict]:
               f"accuracy {before_acc:.1%} -> {after_acc:.1%} (steps {start} -> {step})")
     if tracker:
         tracker.log_metrics({"eval_loss": after_loss, "eval_accuracy": after_acc}, step=step)
-        tracker.end_run()
+        if not os.environ.get("MLFLOW_RUN_ID"):  # gpulaunch ends its own run with the outcome
+            tracker.end_run()
     peak = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
             else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024) / 2**30
     trained = step - start

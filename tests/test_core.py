@@ -59,6 +59,18 @@ def test_closure_lambda_argument_and_local_class():
     assert type(out[0]).__name__ == "Box"
 
 
+def test_function_touching_torch_backends_travels():
+    # torch.backends.cudnn / .cuda are module subclasses that cloudpickle alone cannot pickle
+    import torch
+
+    @distributed(gpus=2)
+    def f():
+        torch.backends.cudnn.benchmark = True
+        return torch.backends.cudnn.benchmark, type(torch.backends.cudnn).__name__
+
+    assert f.distributed() == [(True, "CudnnModule")] * 2
+
+
 def test_functions_and_classes_defined_in_main_script(tmp_path):
     """A function, a closure and a class defined in ``__main__`` of a real script."""
     script = tmp_path / "main_script.py"

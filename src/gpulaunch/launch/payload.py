@@ -12,6 +12,7 @@ by name before any process starts.
 from __future__ import annotations
 
 import collections
+import importlib
 import io
 import linecache
 import os
@@ -71,6 +72,16 @@ def _code_reduce_keeping_filename(code: types.CodeType):
 class _Pickler(cloudpickle.Pickler):
     dispatch_table = collections.ChainMap({types.CodeType: _code_reduce_keeping_filename},
                                           cloudpickle.Pickler.dispatch_table)
+
+    def reducer_override(self, obj):
+        # Module *subclasses* that replace themselves in sys.modules (torch.backends.cudnn is a
+        # CudnnModule, torch.backends.cuda a CudaModule...) miss cloudpickle's exact-type table
+        # ("cannot pickle 'CudnnModule' object" for any function that touches them): send them
+        # by name, as cloudpickle sends plain importable modules.
+        if isinstance(obj, types.ModuleType) and type(obj) is not types.ModuleType \
+                and sys.modules.get(obj.__name__) is obj:
+            return importlib.import_module, (obj.__name__,)
+        return super().reducer_override(obj)
 
 
 def _dumps(obj) -> bytes:
