@@ -88,7 +88,7 @@ def train(opts: options.RecipeOptions) -> dict:
     if rt.is_main():
         outputs.publish(out_dir, opts.output_path())
     rt.barrier()
-    return {**result, "technique": technique, "wrapper": sft.wrapper_in_effect(trainer),
+    return {**result, "technique": technique,
             "world_size": rt.get_world_size(), "precision": prec,
             "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

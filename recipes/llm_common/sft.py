@@ -108,6 +108,7 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
         max_length=opts.seq_len,
         eval_strategy="steps",
         eval_steps=opts.eval_steps,
+        eval_on_start=True,               # the "before" loss, inside train() (DeepSpeed needs that)
         logging_steps=opts.logging_steps,
         save_strategy="no",               # the recipe saves the final model itself, on rank 0
         seed=opts.seed,
@@ -154,7 +155,8 @@ def technique_in_effect(trainer) -> str:
 
 
 def wrapper_in_effect(trainer) -> str:
-    """The class that wraps the model after ``train()``: proof, not configuration."""
+    """The wrapper around the model while it trains: proof, not configuration. (Read it during
+    training; ``train_and_measure`` does, after the first step.)"""
     import torch
     m = trainer.model_wrapped
     try:
@@ -198,29 +200,46 @@ def _peak_memory_gib(device) -> float:
 
 
 def train_and_measure(trainer, device) -> dict:
-    """Eval loss before and after ``train()``, with throughput and peak memory. Every rank must
-    call it (evaluate and train are collective)."""
+    """Train, with the eval loss at the start (``eval_on_start``) and at the end, throughput and
+    peak memory. Every rank must call it (evaluate and train are collective). The first eval
+    runs inside ``train()`` because under DeepSpeed an ``evaluate()`` before ``train()`` builds
+    an inference engine that training then cannot use."""
     import torch
+    from transformers import TrainerCallback
+
+    class WrapperProbe(TrainerCallback):     # the Trainer unwraps the model when train() ends
+        seen = None
+
+        def on_step_end(self, args, state, control, **kwargs):
+            if self.seen is None:
+                self.seen = wrapper_in_effect(trainer)
+
+    probe = WrapperProbe()
+    trainer.add_callback(probe)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    before = eval_loss(trainer)
     t0 = time.perf_counter()
     out = trainer.train()
     train_s = time.perf_counter() - t0
-    after = eval_loss(trainer)
     logs = trainer.state.log_history
-    tokens = max((r.get("num_tokens", 0) for r in logs), default=0)
-    train_losses = [(r["step"], r["loss"]) for r in logs if "loss" in r]
+    evals = [(r["step"], r["eval_loss"]) for r in logs if "eval_loss" in r]
+    if not evals or evals[-1][0] != trainer.state.global_step:
+        evals.append((trainer.state.global_step, eval_loss(trainer)))
+    tokens = getattr(trainer, "_total_train_tokens", 0) or max(   # TRL: all ranks, no padding
+        (r.get("num_tokens", 0) for r in logs), default=0)
+    train_runtime = next((r["train_runtime"] for r in logs if "train_runtime" in r), train_s)
     return {
-        "eval_loss_before": before,
-        "eval_loss_after": after,
+        "wrapper": probe.seen,
+        "eval_loss_before": evals[0][1],
+        "eval_loss_after": evals[-1][1],
         "train_loss": float(out.training_loss),
-        "train_losses": train_losses,
-        "eval_losses": [(r["step"], r["eval_loss"]) for r in logs if "eval_loss" in r],
+        "train_losses": [(r["step"], r["loss"]) for r in logs if "loss" in r],
+        "eval_losses": evals,
         "steps": trainer.state.global_step,
         "train_seconds": train_s,
         "tokens": int(tokens),
-        "tokens_per_second": tokens / train_s if train_s > 0 else None,
+        # tokens (all ranks, padding excluded) per second of train(), periodic evals included
+        "tokens_per_second": tokens / train_runtime if train_runtime else None,
         "peak_memory_gib": _peak_memory_gib(device),
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process max RSS",
     }
