@@ -58,7 +58,8 @@ def train(opts: options.RecipeOptions) -> dict:
     prec = sft.precision(opts.dtype, device)
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(opts.data, opts.eval_data, seed=opts.seed)
+    train_ds, eval_ds = chat_data.load_chat_datasets(
+        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
 
     # SFTConfig before the model: with a ZeRO-3 config in force, from_pretrained/from_config

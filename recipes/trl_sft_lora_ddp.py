@@ -62,7 +62,8 @@ def train(opts: options.RecipeOptions) -> dict:
     prec = sft.precision(opts.dtype, device)
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(opts.data, opts.eval_data, seed=opts.seed)
+    train_ds, eval_ds = chat_data.load_chat_datasets(
+        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
 
     config = sft.sft_config(
@@ -74,8 +75,8 @@ def train(opts: options.RecipeOptions) -> dict:
     model = architectures.load_model(
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
         dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
-        device_map={"": device} if device.type == "cuda" else None)
-    if opts.model is None and rt.is_main():     # a random base must travel with its adapter
+        device_map={"": device} if device.type == "cuda" else None, init_device=device)
+    if opts.save and opts.model is None and rt.is_main():     # a random base must travel with its adapter
         model.save_pretrained(Path(out_dir) / outputs.BASE_DIR)
     lora = LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=opts.lora_dropout,
                       target_modules="all-linear", bias="none", task_type="CAUSAL_LM",
@@ -84,15 +85,16 @@ def train(opts: options.RecipeOptions) -> dict:
                          processing_class=tokenizer, peft_config=lora)
     technique = sft.require(trainer, sft.DDP)
     result = sft.train_and_measure(trainer, device)
-    trainer.save_model(out_dir)                 # rank 0 writes adapter + tokenizer
-    if rt.is_main():
-        outputs.publish(out_dir, opts.output_path())
+    if opts.save:
+        trainer.save_model(out_dir)                 # rank 0 writes adapter + tokenizer
+        if rt.is_main():
+            outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     return {**result, "technique": technique,
             "world_size": rt.get_world_size(), "precision": prec,
             "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "output": opts.output_path()}
+            "output": opts.output_path() if opts.save else None}
 
 
 # %% [markdown]

@@ -93,15 +93,17 @@ def train(opts: options.RecipeOptions) -> dict:
     prec = sft.precision(opts.dtype, device)
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(opts.data, opts.eval_data, seed=opts.seed)
+    train_ds, eval_ds = chat_data.load_chat_datasets(
+        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
     config = sft.sft_config(opts, technique=sft.FSDP2, output_dir=out_dir, device=device,
                             prec=prec, decoder_layer=arch.decoder_layer,
                             assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
-    model = architectures.load_model(   # no device_map: FSDP places the shards
+    model = architectures.load_model(   # no device_map for real weights: FSDP places the shards
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
-        dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn)
-    if opts.model is None and rt.is_main():
+        dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+        init_device=device)
+    if opts.save and opts.model is None and rt.is_main():
         model.save_pretrained(Path(out_dir) / outputs.BASE_DIR)
     experts = list(arch.lora_expert_parameters)
     lora = LoraConfig(
@@ -124,15 +126,16 @@ def train(opts: options.RecipeOptions) -> dict:
     wrapper = result["wrapper"]
     if technique == "fsdp2" and wrapper != "fsdp2":
         raise sft.TechniqueNotInEffect(f"the Trainer reported FSDP2 but wrapped the model in {wrapper}")
-    trainer.save_model(out_dir)                 # FULL_STATE_DICT: rank 0 writes the adapter
-    if rt.is_main():
-        outputs.publish(out_dir, opts.output_path())
+    if opts.save:
+        trainer.save_model(out_dir)                 # FULL_STATE_DICT: rank 0 writes the adapter
+        if rt.is_main():
+            outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     return {**result, "technique": technique, "wrapper": wrapper,
             "fsdp_enabled": bool(trainer.is_fsdp_enabled), "world_size": rt.get_world_size(),
             "precision": prec, "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "output": opts.output_path()}
+            "output": opts.output_path() if opts.save else None}
 
 
 # %% [markdown]

@@ -229,3 +229,94 @@ def test_ddp_and_zero3_full_fine_tunes_agree(zero3_run, tmp_path):
     for (step_a, a), (step_b, b) in zip(ddp["eval_losses"], z3["eval_losses"]):
         assert step_a == step_b
         assert abs(a - b) <= 1e-3 * abs(b), (ddp["eval_losses"], z3["eval_losses"])
+
+
+# ------------------------------------------------------------------ launch contract, notebooks
+def test_torchrun_environment_covers_what_the_frameworks_read(tmp_path):
+    """HF Trainer (TRL, Unsloth, Axolotl) reads LOCAL_RANK/WORLD_SIZE; Composer's dist (LLM
+    Foundry) also NODE_RANK and LOCAL_WORLD_SIZE, which torchrun itself omits; Unsloth's DDP
+    placement is device_map={"": LOCAL_RANK}."""
+    from gpulaunch import distributed
+
+    @distributed(gpus=2, timeout=300)
+    def probe(out):
+        import os
+        from transformers import TrainingArguments
+        args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none")
+        composer_reads = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
+                          "MASTER_ADDR", "MASTER_PORT")
+        return {"env": {k: os.environ.get(k) for k in composer_reads},
+                "hf": (args.process_index, args.local_process_index, args.world_size,
+                       str(args.parallel_mode))}
+
+    results = probe.distributed(str(tmp_path / "o"))
+    for rank, r in enumerate(results):
+        env = r["env"]
+        assert (env["RANK"], env["LOCAL_RANK"], env["NODE_RANK"]) == (str(rank), str(rank), "0")
+        assert env["WORLD_SIZE"] == env["LOCAL_WORLD_SIZE"] == "2"
+        assert env["MASTER_ADDR"] == "127.0.0.1" and int(env["MASTER_PORT"]) > 0
+        assert r["hf"][:3] == (rank, rank, 2) and "DISTRIBUTED" in r["hf"][3]
+
+
+LLM_RECIPES = ["trl_sft_lora_ddp", "trl_sft_lora_fsdp", "trl_sft_full_zero3",
+               "unsloth_sft_lora_ddp", "axolotl_qlora_ddp", "llmfoundry_fsdp"]
+
+
+@pytest.mark.parametrize("name", LLM_RECIPES)
+def test_recipe_notebook_matches_its_script(name):
+    jupytext = pytest.importorskip("jupytext")
+    script = jupytext.read(RECIPES / f"{name}.py")
+    notebook = jupytext.read(RECIPES / f"{name}.ipynb")
+    assert [(c.cell_type, c.source) for c in script.cells] == \
+        [(c.cell_type, c.source) for c in notebook.cells], f"run: jupytext --sync recipes/{name}.py"
+
+
+def test_missing_frameworks_fail_before_launching(tmp_path, gpulaunch_home):
+    """LLM Foundry cannot be installed beside torch>=2.7.1; the recipe must say so, not hang."""
+    import importlib.util
+    if importlib.util.find_spec("llmfoundry") is not None:
+        pytest.skip("llm-foundry is installed here")
+    _, proc = run_recipe("llmfoundry_fsdp", tmp_path, timeout=120, check=False)
+    assert proc.returncode != 0 and "torch<2.7.1" in proc.stderr
+    assert not (gpulaunch_home / "runs").exists()
+
+
+# ------------------------------------------------------------------ Unsloth, Axolotl: own venvs
+def _recipe_python(name: str) -> Path | None:
+    """The recipe environment built by scripts/recipe_venv.sh, if it exists (never built here)."""
+    for root in (os.environ.get("GPULAUNCH_RECIPE_VENVS"), Path.home() / ".cache/gpulaunch/venvs",
+                 "/work/venvs"):
+        if root and (Path(root) / name / "bin" / "python").exists():
+            return Path(root) / name / "bin" / "python"
+    return None
+
+
+@pytest.mark.slow
+def test_unsloth_lora_ddp_two_ranks(tmp_path):
+    py = _recipe_python("unsloth")
+    if py is None:
+        pytest.skip("no Unsloth environment (build it: scripts/recipe_venv.sh unsloth)")
+    results = tmp_path / "r.json"
+    proc = subprocess.run([str(py), str(RECIPES / "unsloth_sft_lora_ddp.py"), "--results",
+                           str(results), "--output", str(tmp_path / "out")], cwd=tmp_path,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(results.read_text())
+    assert r["technique"] == "ddp" and r["wrapper"] == "ddp" and r["world_size"] == 2
+    assert r["eval_loss_after"] < 0.8 * r["eval_loss_before"], r["eval_losses"]
+    assert (tmp_path / "out" / "adapter_model.safetensors").exists() and "generated:" in proc.stdout
+
+
+@pytest.mark.slow
+def test_axolotl_lora_one_rank_on_cpu(tmp_path):
+    py = _recipe_python("axolotl")
+    if py is None:
+        pytest.skip("no Axolotl environment (build it: scripts/recipe_venv.sh axolotl)")
+    results = tmp_path / "r.json"
+    proc = subprocess.run([str(py), str(RECIPES / "axolotl_qlora_ddp.py"), "--results",
+                           str(results), "--output", str(tmp_path / "out")], cwd=tmp_path,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(results.read_text())
+    assert r["world_size"] == 1 and r["adapter"] == "lora"   # CPU: one process, no 4-bit
+    assert r["eval_loss_after"] < 0.8 * r["eval_loss_before"], r["eval_losses"]

@@ -129,9 +129,12 @@ def build_config(arch_name: str, *, full: bool, tokenizer):
 
 
 def load_model(*, arch_name: str, model_path: str | None, full: bool, tokenizer, dtype,
-               seed: int, attn_implementation: str | None = None, device_map=None):
+               seed: int, attn_implementation: str | None = None, device_map=None,
+               init_device=None):
     """Real weights from ``model_path``, else the architecture randomly initialised from
-    ``seed`` (identical on every rank, so DDP starts from one model even before its broadcast)."""
+    ``seed`` (identical on every rank, so DDP starts from one model even before its broadcast).
+    ``init_device`` builds a random model directly there (a 20B model initialises in seconds on
+    a GPU, in minutes on a CPU)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -150,8 +153,11 @@ def load_model(*, arch_name: str, model_path: str | None, full: bool, tokenizer,
         return model
     config = build_config(arch_name, full=full, tokenizer=tokenizer)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, **kwargs)
-    return model
+    if init_device is not None and torch.device(init_device).type == "cuda":
+        torch.cuda.manual_seed(seed)
+        with torch.device(init_device):
+            return AutoModelForCausalLM.from_config(config, **kwargs)
+    return AutoModelForCausalLM.from_config(config, **kwargs)
 
 
 def _mxfp4_dequantize_if_needed(model_path: str):

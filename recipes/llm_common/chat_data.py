@@ -134,9 +134,17 @@ def _read(path: str):
 
 
 def load_chat_datasets(data: str | None = None, eval_data: str | None = None,
-                       eval_fraction: float = 0.05, seed: int = 0):
+                       eval_fraction: float = 0.05, seed: int = 0, max_eval_rows: int | None = None):
     """(train, eval) datasets. Without ``data`` the shipped files; with ``data`` and no
-    ``eval_data`` a held-out ``eval_fraction`` of ``data`` (at least 1 row)."""
+    ``eval_data`` a held-out ``eval_fraction`` of ``data`` (at least 1 row). ``max_eval_rows``
+    keeps the first rows of the eval set only (quick periodic evals on big sets)."""
+    train, evaluation = _load_pair(data, eval_data, eval_fraction, seed)
+    if max_eval_rows is not None and len(evaluation) > max_eval_rows:
+        evaluation = evaluation.select(range(max_eval_rows))
+    return train, evaluation
+
+
+def _load_pair(data, eval_data, eval_fraction, seed):
     if data is None:
         return _read(str(TRAIN_FILE)), _read(str(eval_data or EVAL_FILE))
     train = _read(data)

@@ -51,6 +51,14 @@ class RecipeOptions:
     def tiny(self) -> bool:
         return not self.full and self.model is None
 
+    def max_eval_rows(self, world_size: int) -> int | None:
+        return None if self.eval_batches is None else self.eval_batches * self.batch_size * world_size
+
+    @property
+    def save(self) -> bool:
+        """False with -x save=false (throughput runs of models too big to write and reload)."""
+        return bool(self.extra.get("save", True))
+
     def output_path(self) -> str:
         return self.output or f"outputs/{self.recipe}"
 

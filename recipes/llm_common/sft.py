@@ -207,14 +207,26 @@ def train_and_measure(trainer, device) -> dict:
     import torch
     from transformers import TrainerCallback
 
-    class WrapperProbe(TrainerCallback):     # the Trainer unwraps the model when train() ends
-        seen = None
+    class Probe(TrainerCallback):
+        """The wrapper seen during training (the Trainer unwraps the model when train() ends),
+        and the time spent in optimizer steps alone (periodic evals excluded)."""
+        seen, step_seconds, _t = None, 0.0, None
+
+        def _now(self):
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            return time.perf_counter()
+
+        def on_step_begin(self, args, state, control, **kwargs):
+            self._t = self._now()
 
         def on_step_end(self, args, state, control, **kwargs):
+            if self._t is not None:
+                self.step_seconds += self._now() - self._t
             if self.seen is None:
                 self.seen = wrapper_in_effect(trainer)
 
-    probe = WrapperProbe()
+    probe = Probe()
     trainer.add_callback(probe)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -227,9 +239,9 @@ def train_and_measure(trainer, device) -> dict:
         evals.append((trainer.state.global_step, eval_loss(trainer)))
     tokens = getattr(trainer, "_total_train_tokens", 0) or max(   # TRL: all ranks, no padding
         (r.get("num_tokens", 0) for r in logs), default=0)
-    train_runtime = next((r["train_runtime"] for r in logs if "train_runtime" in r), train_s)
     return {
         "wrapper": probe.seen,
+        "step_seconds": probe.step_seconds,
         "eval_loss_before": evals[0][1],
         "eval_loss_after": evals[-1][1],
         "train_loss": float(out.training_loss),
@@ -238,8 +250,10 @@ def train_and_measure(trainer, device) -> dict:
         "steps": trainer.state.global_step,
         "train_seconds": train_s,
         "tokens": int(tokens),
-        # tokens (all ranks, padding excluded) per second of train(), periodic evals included
-        "tokens_per_second": tokens / train_runtime if train_runtime else None,
+        # tokens of all ranks (padding excluded) per second of optimizer steps (evals excluded)
+        "tokens_per_second": tokens / probe.step_seconds if probe.step_seconds else None,
+        "tokens_per_second_per_rank": (tokens / probe.step_seconds / trainer.args.world_size
+                                       if probe.step_seconds else None),
         "peak_memory_gib": _peak_memory_gib(device),
         "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process max RSS",
     }

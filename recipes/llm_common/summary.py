@@ -39,10 +39,13 @@ def finish(opts, results: list[dict]) -> dict:
     print_result(r)
     if r["eval_loss_after"] >= r["eval_loss_before"]:
         print("  WARNING: the eval loss did not fall", flush=True)
-    _, eval_ds = load_chat_datasets(opts.data, opts.eval_data, seed=opts.seed)
-    prompt, reference = sample_prompt(eval_ds)
-    r["generation"] = {"prompt": prompt, "reference": reference,
-                       "generated": reload_and_generate(r["output"], prompt, reference)}
+    if r.get("output"):
+        _, eval_ds = load_chat_datasets(opts.data, opts.eval_data, seed=opts.seed)
+        prompt, reference = sample_prompt(eval_ds)
+        r["generation"] = {"prompt": prompt, "reference": reference,
+                           "generated": reload_and_generate(r["output"], prompt, reference)}
+    else:
+        print("  not saved (-x save=false): no reload, no generation", flush=True)
     if opts.results:
         Path(opts.results).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.results).write_text(json.dumps(r, indent=2, default=str))
