@@ -9,7 +9,7 @@
 #
 # On the lent H200 (Python 3.12, torch 2.11, no network) carry the wheels built by
 #   bash bench/llm_recipes_gpu_wheels.sh      # -> .whl/ (~21 MiB)
-# and run:  bash bench/llm_recipes_gpu.sh
+# and run:  bash bench/llm_recipes_gpu.sh        (SMOKE=1: the same on CPU, tiny, to check the script)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/out-llm}
@@ -34,6 +34,14 @@ EOF
 start=$(date +%s)
 COMMON=(--arch llama-3.2-1b --full --gpus 1 --max-steps 40 --seq-len 1024 --eval-steps 20
         --logging-steps 10 --eval-batches 8 --report-to none)
+FSDP_EXTRA=()
+big_budget=280          # seconds: start the gpt-oss-20b run only before this
+if [ -n "${SMOKE:-}" ]; then   # CPU check of this script: tiny model, 1 CPU rank, 4 steps
+  export GPULAUNCH_FORCE_CPU=1
+  COMMON=(--arch llama-3.2-1b --gpus 1 --max-steps 4 --seq-len 64 --eval-steps 2
+          --logging-steps 2 --eval-batches 2 --report-to none)
+  FSDP_EXTRA=(-x on_cpu=ddp); big_budget=0
+fi
 run() {  # name, args...
   local name=$1; shift
   echo "=== $name $* ($(( $(date +%s) - start )) s)"
@@ -42,10 +50,10 @@ run() {  # name, args...
   echo "exit $? after $(( $(date +%s) - start )) s"; tail -22 "$OUT/$name.log"
 }
 run trl_sft_lora_ddp   "${COMMON[@]}" --batch-size 4 --lr 2e-4
-run trl_sft_lora_fsdp  "${COMMON[@]}" --batch-size 4 --lr 1.5e-4
+run trl_sft_lora_fsdp  "${COMMON[@]}" --batch-size 4 --lr 1.5e-4 "${FSDP_EXTRA[@]}"
 run trl_sft_full_zero3 "${COMMON[@]}" --batch-size 2 --lr 2e-4
 rm -rf /tmp/llm-out
-if [ $(( $(date +%s) - start )) -lt 300 ]; then   # the seed's real shape, if time is left
+if [ $(( $(date +%s) - start )) -lt $big_budget ]; then   # the seed's real shape, if time is left
   run trl_sft_lora_ddp --arch gpt-oss-20b --full --gpus 1 --max-steps 10 --seq-len 1024 \
     --eval-steps 10 --eval-batches 4 --batch-size 1 --grad-accum 2 --gradient-checkpointing \
     --attn eager --report-to none -x save=false --results "$OUT/gpt_oss_20b_lora_ddp.json"

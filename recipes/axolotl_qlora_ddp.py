@@ -44,7 +44,7 @@ DEFAULTS = options.RecipeOptions(
     seq_len=2048, lora_r=32, lora_alpha=16, lora_dropout=0.05, gradient_checkpointing=True,
     extra={"sample_packing": True})
 TINY = dict(lr=3e-3, batch_size=8, grad_accum=1, warmup_steps=0, max_steps=40, seq_len=64,
-            gradient_checkpointing=False, lora_train_modules="embed_tokens,lm_head",
+            eval_steps=20, eval_batches=8, gradient_checkpointing=False, lora_train_modules="embed_tokens,lm_head",
             extra={"sample_packing": False})
 OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
 
@@ -69,6 +69,9 @@ def axolotl_config(opts, *, base_path: str, out_dir: str, prepared_dir: str, on_
         "eval_sample_packing": False,
         "lora_r": opts.lora_r, "lora_alpha": opts.lora_alpha, "lora_dropout": opts.lora_dropout,
         "lora_target_linear": True,
+        # Axolotl 0.19 turns on its fused LoRA kernels by default; their patch does not match
+        # Olmo3's attention in transformers 5.16 ("Original QKV code not found"): off.
+        "lora_mlp_kernel": False, "lora_qkv_kernel": False, "lora_o_kernel": False,
         "lora_modules_to_save": opts.lora_train_modules.split(",") if opts.lora_train_modules else None,
         "micro_batch_size": opts.batch_size, "gradient_accumulation_steps": opts.grad_accum,
         "num_epochs": 1, "max_steps": opts.max_steps,
@@ -120,6 +123,13 @@ def train(opts: options.RecipeOptions) -> dict:
             tokenizer.save_pretrained(base_path)
         base_path = rt_broadcast(base_path)
     train_file, eval_file = (opts.data or str(chat_data.TRAIN_FILE)), (opts.eval_data or str(chat_data.EVAL_FILE))
+    rows = opts.max_eval_rows(rt.get_world_size())
+    if rows is not None and eval_file.endswith(".jsonl"):   # a quicker eval: its first rows only
+        head = run_tmp / "eval.jsonl"
+        head.parent.mkdir(parents=True, exist_ok=True)
+        with open(eval_file) as src, open(head, "w") as dst:
+            dst.writelines(line for _, line in zip(range(rows), src))
+        eval_file = str(head)
     cfg = axolotl_config(opts, base_path=base_path, out_dir=out_dir,
                          prepared_dir=str(run_tmp / "prepared"), on_gpu=on_gpu,
                          train_file=train_file, eval_file=eval_file)

@@ -62,14 +62,28 @@ def train(opts: options.RecipeOptions) -> dict:
         opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
 
-    # SFTConfig before the model: with a ZeRO-3 config in force, from_pretrained/from_config
-    # build the model already partitioned (deepspeed.zero.Init), so no rank ever holds it whole.
-    config = sft.sft_config(opts, technique=technique, output_dir=out_dir, device=device,
-                            prec=prec, decoder_layer=arch.decoder_layer,
-                            assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
-    model = architectures.load_model(
-        arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
-        dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn)
+    # Real weights: SFTConfig first, so that from_pretrained loads them already partitioned
+    # (deepspeed.zero.Init) and no rank ever holds the whole model. A random model is built
+    # whole from the seed instead, before ZeRO-3 is configured, and partitioned when DeepSpeed
+    # starts: that keeps its initial weights identical to the DDP run's (zero.Init draws the
+    # random numbers in another order), which the loss comparison between techniques needs.
+    def build_model():
+        return architectures.load_model(
+            arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
+            dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+            init_device=device)
+
+    def build_config():
+        return sft.sft_config(opts, technique=technique, output_dir=out_dir, device=device,
+                              prec=prec, decoder_layer=arch.decoder_layer,
+                              assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
+
+    if opts.model is not None:
+        config = build_config()
+        model = build_model()
+    else:
+        model = build_model()
+        config = build_config()
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer)
     in_effect = sft.require(trainer, technique)

@@ -184,11 +184,14 @@ def test_trl_lora_ddp_learns_saves_to_a_url_reloads_and_logs_to_mlflow(tmp_path)
     assert len(history) >= 2 and history[-1].value < history[0].value
 
 
+PARITY_ARGS = ("--max-steps", "40", "--eval-steps", "20")
+
+
 @pytest.fixture(scope="module")
 def zero3_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
-    r, proc = run_recipe("trl_sft_full_zero3", tmp, "--output", str(tmp / "model"),
+    r, proc = run_recipe("trl_sft_full_zero3", tmp, "--output", str(tmp / "model"), *PARITY_ARGS,
                          env_extra={"GPULAUNCH_HOME": str(tmp / "home"),
                                     "GPULAUNCH_FORCE_CPU": "1"})
     return r, proc, tmp / "model"
@@ -223,7 +226,7 @@ def test_ddp_and_zero3_full_fine_tunes_agree(zero3_run, tmp_path):
     """Same data, seed and fp32 model: DDP and ZeRO-3 must give the same losses (to 1e-3 rel.:
     only the order of floating-point reductions differs)."""
     z3 = zero3_run[0]
-    ddp, _ = run_recipe("trl_sft_full_zero3", tmp_path, "-x", "technique=ddp",
+    ddp, _ = run_recipe("trl_sft_full_zero3", tmp_path, "-x", "technique=ddp", *PARITY_ARGS,
                         "--output", str(tmp_path / "model"))
     assert ddp["technique"] == "ddp" and ddp["wrapper"] == "ddp"
     for (step_a, a), (step_b, b) in zip(ddp["eval_losses"], z3["eval_losses"]):
