@@ -139,16 +139,17 @@ def train(opts: options.RecipeOptions) -> dict:
     model, tok, trainer = axolotl_train(cfg=cfg, dataset_meta=dataset_meta)
     logs = trainer.state.log_history
     evals = [(r["step"], r["eval_loss"]) for r in logs if "eval_loss" in r]
-    final = float(trainer.evaluate()["eval_loss"])
+    if not evals or evals[-1][0] != trainer.state.global_step:
+        evals.append((trainer.state.global_step, float(trainer.evaluate()["eval_loss"])))
     if rt.is_main():
         outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     import axolotl
     return {"technique": sft.technique_in_effect(trainer), "world_size": rt.get_world_size(),
             "framework": f"axolotl {axolotl.__version__}", "adapter": cfg.adapter,
-            "precision": prec, "eval_losses": evals + [(trainer.state.global_step, final)],
-            "eval_loss_before": evals[0][1] if evals and evals[0][0] == 0 else None,
-            "eval_loss_after": final, "steps": trainer.state.global_step,
+            "precision": prec, "eval_losses": evals,
+            "eval_loss_before": evals[0][1] if evals[0][0] == 0 else None,   # eval_on_start
+            "eval_loss_after": evals[-1][1], "steps": trainer.state.global_step,
             "train_losses": [(r["step"], r["loss"]) for r in logs if "loss" in r],
             "output": opts.output_path()}
 

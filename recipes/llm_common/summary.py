@@ -22,8 +22,14 @@ def print_result(r: dict) -> None:
 
 
 def reload_and_generate(output: str, prompt: str, reference: str | None = None) -> str:
+    import os
+
+    import torch
+
     from . import outputs
-    model, tok = outputs.load_trained(output)
+    gpu = torch.cuda.is_available() and os.environ.get("GPULAUNCH_FORCE_CPU") != "1"
+    model, tok = outputs.load_trained(output, dtype=torch.bfloat16 if gpu else torch.float32,
+                                      device="cuda" if gpu else "cpu")
     answer = outputs.generate(model, tok, prompt)
     print(f"reloaded {output} with from_pretrained ({type(model).__name__})", flush=True)
     print(f"  prompt:    {prompt}\n  generated: {answer}"
