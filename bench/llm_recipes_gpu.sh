@@ -55,8 +55,11 @@ run() {  # label, recipe, args...
   echo "exit $? at $(( $(date +%s) - start )) s"; tail -20 "$OUT/$label.log"
   rm -rf "/tmp/llm-out/$label"
 }
-run trl_sft_lora_ddp   trl_sft_lora_ddp   "${COMMON[@]}" --batch-size 4 --lr 2e-4
-run trl_sft_lora_fsdp  trl_sft_lora_fsdp  "${COMMON[@]}" --batch-size 4 --lr 1.5e-4 "${FSDP_EXTRA[@]}"
+# DDP and FSDP2 with the same LoRA settings, data and seed: their losses are compared below
+LORA=(--batch-size 4 --grad-accum 2 --lr 2e-4 --scheduler cosine --warmup-steps 0.03
+      --lora-r 8 --lora-alpha 16 --lora-dropout 0 --gradient-checkpointing)
+run trl_sft_lora_ddp   trl_sft_lora_ddp   "${COMMON[@]}" "${LORA[@]}"
+run trl_sft_lora_fsdp  trl_sft_lora_fsdp  "${COMMON[@]}" "${LORA[@]}" "${FSDP_EXTRA[@]}"
 run trl_sft_full_zero3 trl_sft_full_zero3 "${COMMON[@]}" --batch-size 2 --lr 2e-4
 if [ $(( $(date +%s) - start )) -lt $big_budget ]; then   # the seed's real shape, if time is left
   run gpt_oss_20b_lora_ddp trl_sft_lora_ddp --arch gpt-oss-20b --full --gpus 1 --max-steps 10 \
@@ -74,4 +77,10 @@ keys = ("technique", "wrapper", "world_size", "precision", "parameters", "traina
         "eval_loss_before", "eval_loss_after", "tokens_per_second", "peak_memory_gib", "steps")
 for name, r in summary["runs"].items():
     print(name, {k: r.get(k) for k in keys}, "export_ok" if (r.get("export_check") or {}).get("ok") else "")
+a, b = summary["runs"].get("trl_sft_lora_ddp"), summary["runs"].get("trl_sft_lora_fsdp")
+if a and b:
+    rel = [abs(x[1] - y[1]) / abs(y[1]) for x, y in zip(a["eval_losses"], b["eval_losses"])]
+    summary["ddp_vs_fsdp2_eval_loss_rel_diff"] = rel
+    (out / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+    print("DDP vs FSDP2 eval loss, relative difference per eval:", [f"{v:.2e}" for v in rel])
 EOF

@@ -229,6 +229,7 @@ def test_ddp_and_zero3_full_fine_tunes_agree(zero3_run, tmp_path):
     ddp, _ = run_recipe("trl_sft_full_zero3", tmp_path, "-x", "technique=ddp", *PARITY_ARGS,
                         "--output", str(tmp_path / "model"))
     assert ddp["technique"] == "ddp" and ddp["wrapper"] == "ddp"
+    print("eval losses, DDP:", ddp["eval_losses"], "ZeRO-3:", z3["eval_losses"])
     for (step_a, a), (step_b, b) in zip(ddp["eval_losses"], z3["eval_losses"]):
         assert step_a == step_b
         assert abs(a - b) <= 1e-3 * abs(b), (ddp["eval_losses"], z3["eval_losses"])
