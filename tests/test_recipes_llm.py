@@ -150,7 +150,7 @@ except sft.TechniqueNotInEffect as e:
     proc = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "IS_FSDP_ENABLED False" in proc.stdout
-    assert "REFUSED Asked the HF Trainer for fsdp2 but it is running single" in proc.stdout
+    assert "REFUSED Asked the HF Trainer for fsdp2 but it is running ddp" in proc.stdout
 
 
 # ------------------------------------------------------------------ the TRL recipes, 2 ranks

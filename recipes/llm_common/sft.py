@@ -150,6 +150,10 @@ def technique_in_effect(trainer) -> str:
     if trainer.is_fsdp_enabled:
         version = getattr(trainer.accelerator.state.fsdp_plugin, "fsdp_version", 1)
         return f"fsdp{version}"
+    # Accelerate wraps in DDP whenever it runs distributed (MULTI_GPU/MULTI_CPU), world size 1 too
+    kind = str(getattr(trainer.accelerator, "distributed_type", "")).upper()
+    if "MULTI" in kind:
+        return "ddp"
     world = dist.get_world_size() if dist.is_initialized() else 1
     return "ddp" if world > 1 else "single"
 
