@@ -27,7 +27,7 @@
 
 # %%
 from gpulaunch import distributed, runtime as rt
-from llm_common import options, summary
+from llm_common import launch, options, summary
 
 DEFAULTS = options.RecipeOptions(
     recipe="trl_sft_full_zero3", arch="llama-3.2-1b",
@@ -116,10 +116,14 @@ def train(opts: options.RecipeOptions) -> dict:
 # ## Launch, check the export, reload and generate
 
 # %%
-results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
-check = results[0]["export_check"]
-print("export check:", {k: check[k] for k in ("ok", "tensors_compared", "max_abs_diff",
-                                              "saved_numel", "model_numel", "missing", "empty")})
-if not check["ok"]:
-    raise SystemExit(f"the saved weights are not the trained model's: {check}")
-result = summary.finish(OPTS, results)
+if launch.externally_launched():     # started by torchrun/accelerate launch: this is one rank
+    results = launch.as_this_rank(train, OPTS)
+else:
+    results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
+if results:
+    check = results[0]["export_check"]
+    print("export check:", {k: check[k] for k in ("ok", "tensors_compared", "max_abs_diff",
+                                                  "saved_numel", "model_numel", "missing", "empty")})
+    if not check["ok"]:
+        raise SystemExit(f"the saved weights are not the trained model's: {check}")
+    result = summary.finish(OPTS, results)

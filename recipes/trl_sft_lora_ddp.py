@@ -28,7 +28,7 @@
 
 # %%
 from gpulaunch import distributed, runtime as rt
-from llm_common import options, summary
+from llm_common import launch, options, summary
 
 DEFAULTS = options.RecipeOptions(
     recipe="trl_sft_lora_ddp", arch="gpt-oss-20b",
@@ -101,5 +101,9 @@ def train(opts: options.RecipeOptions) -> dict:
 # ## Launch on every GPU (2 CPU workers without one), then reload and generate
 
 # %%
-results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
-result = summary.finish(OPTS, results)
+if launch.externally_launched():     # started by torchrun/accelerate launch: this is one rank
+    results = launch.as_this_rank(train, OPTS)
+else:
+    results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
+if results:
+    result = summary.finish(OPTS, results)

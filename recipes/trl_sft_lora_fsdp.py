@@ -31,7 +31,7 @@
 
 # %%
 from gpulaunch import distributed, runtime as rt
-from llm_common import options, summary
+from llm_common import launch, options, summary
 
 DEFAULTS = options.RecipeOptions(
     recipe="trl_sft_lora_fsdp", arch="gpt-oss-120b",
@@ -142,5 +142,9 @@ def train(opts: options.RecipeOptions) -> dict:
 # ## Launch, then reload and generate
 
 # %%
-results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
-result = summary.finish(OPTS, results)
+if launch.externally_launched():     # started by torchrun/accelerate launch: this is one rank
+    results = launch.as_this_rank(train, OPTS)
+else:
+    results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
+if results:
+    result = summary.finish(OPTS, results)
