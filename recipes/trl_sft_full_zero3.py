@@ -1,0 +1,129 @@
+# ---
+# jupyter:
+#   jupytext:
+#     formats: ipynb,py:percent
+#     text_representation:
+#       extension: .py
+#       format_name: percent
+#   kernelspec:
+#     display_name: Python 3
+#     language: python
+#     name: python3
+# ---
+
+# %% [markdown]
+# # TRL SFT, full fine-tune under DeepSpeed ZeRO-3 (the seed's Llama-3.2-1B notebook)
+#
+# Every weight is trained; ZeRO-3 shards parameters, gradients and optimizer state across the
+# ranks. The DeepSpeed config is a dict generated on each rank and handed to
+# `SFTConfig(deepspeed=...)` (the seed's settings, with
+# `stage3_gather_16bit_weights_on_model_save` so that `save_model` writes the full tensors rather
+# than ZeRO-3's empty placeholders). After saving, every rank gathers the sharded parameters and
+# rank 0 checks the saved safetensors against them: every tensor present, full-shaped, non-empty
+# and equal.
+#
+# `-x technique=ddp` runs the same full fine-tune under plain DDP (for the loss comparison).
+# Options: `python recipes/trl_sft_full_zero3.py --help`; `--model PATH` for real weights.
+
+# %%
+from gpulaunch import distributed, runtime as rt
+from llm_common import launch, options, summary
+
+DEFAULTS = options.RecipeOptions(
+    recipe="trl_sft_full_zero3", arch="llama-3.2-1b",
+    # the seed's settings: micro-batch 2, no accumulation, lr 2e-4, 60 steps, 10 warmup, cosine,
+    # bf16, adamw_torch, no gradient checkpointing, eval every 30 steps
+    lr=2e-4, batch_size=2, grad_accum=1, max_steps=60, warmup_steps=10, scheduler="cosine",
+    seq_len=2048, eval_steps=30, logging_steps=10, extra={"technique": "zero3"})
+TINY = dict(lr=3e-3, batch_size=8, seq_len=64, warmup_steps=0)
+OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
+
+
+# %% [markdown]
+# ## The training function: runs on every rank
+
+# %%
+def train(opts: options.RecipeOptions) -> dict:
+    import tempfile
+
+    from trl import SFTTrainer
+
+    from llm_common import architectures, chat_data, chat_tokenizer, outputs, sft
+
+    technique = opts.extra.get("technique", sft.ZERO3)
+    device = rt.init()        # process group first: ZeRO-3 partitions the model as it is built
+    if technique == sft.ZERO3:
+        import deepspeed
+        deepspeed.init_distributed(dist_backend="nccl" if device.type == "cuda" else "gloo")
+    prec = sft.precision(opts.dtype, device)
+    arch = architectures.get(opts.arch)
+    tokenizer = chat_tokenizer.load_tokenizer(opts.model)
+    train_ds, eval_ds = chat_data.load_chat_datasets(
+        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
+    out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
+
+    # Real weights: SFTConfig first, so that from_pretrained loads them already partitioned
+    # (deepspeed.zero.Init) and no rank ever holds the whole model. A random model is built
+    # whole from the seed instead, before ZeRO-3 is configured, and partitioned when DeepSpeed
+    # starts: that keeps its initial weights identical to the DDP run's (zero.Init draws the
+    # random numbers in another order), which the loss comparison between techniques needs.
+    def build_model():
+        return architectures.load_model(
+            arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
+            dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+            init_device=device)
+
+    def build_config():
+        return sft.sft_config(opts, technique=technique, output_dir=out_dir, device=device,
+                              prec=prec, decoder_layer=arch.decoder_layer,
+                              assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
+
+    if opts.model is not None:
+        config = build_config()
+        model = build_model()
+    else:
+        model = build_model()
+        config = build_config()
+    trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
+                         processing_class=tokenizer)
+    in_effect = sft.require(trainer, technique)
+    result = sft.train_and_measure(trainer, device)
+    wrapper = result["wrapper"]
+    trainer.save_model(out_dir)       # collective under ZeRO-3: gathers 16-bit weights to rank 0
+
+    # Check the export against the distributed model itself: gather every shard, compare.
+    unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    named = list(unwrapped.named_parameters())
+    export = None
+    if technique == sft.ZERO3:
+        import deepspeed
+        with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
+            if rt.is_main():
+                export = outputs.compare_with_model(outputs.saved_tensors(out_dir), named)
+    elif rt.is_main():
+        export = outputs.compare_with_model(outputs.saved_tensors(out_dir), named)
+    if rt.is_main():
+        export["model_numel"] = sum(getattr(p, "ds_numel", p.numel()) for _, p in named)
+        outputs.publish(out_dir, opts.output_path())
+    rt.barrier()
+    return {**result, "technique": in_effect, "wrapper": wrapper, "export_check": export,
+            "world_size": rt.get_world_size(), "precision": prec,
+            "parameters": sum(getattr(p, "ds_numel", p.numel()) for _, p in named),
+            "output": opts.output_path()}
+
+
+# %% [markdown]
+# ## Launch, check the export, reload and generate
+
+# %%
+if launch.externally_launched():     # started by torchrun/accelerate launch: this is one rank
+    results = launch.as_this_rank(train, OPTS)
+else:
+    results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
+if results:
+    check = results[0]["export_check"]
+    print("export check:", {k: check[k] for k in ("ok", "tensors_compared", "max_abs_diff",
+                                                  "saved_numel", "model_numel", "missing", "empty")})
+    if not check["ok"]:
+        raise SystemExit(f"the saved weights are not the trained model's: {check}")
+    result = summary.finish(OPTS, results)
