@@ -52,6 +52,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from _proc import run_group  # bench/_proc.py
+
 ROOT = Path(__file__).resolve().parents[1]
 ALL = ["api", "api_spawn", "cli", "torchrun", "elastic", "elastic_fork", "accelerate", "ray_warm", "ray_warm2",
        "ray_cold"]
@@ -260,7 +262,7 @@ def run_measurement(launcher: str, n: int, work: Path, env: dict, timeout: float
     cmd = [sys.executable, __file__, "--one", launcher, "--workers", str(n),
            "--stamp-dir", stamp_dir, "--script", str(work / "allreduce.py")]
     try:
-        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout,
+        proc = run_group(cmd, env=env, timeout=timeout,
                               cwd=work)
         lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
         if proc.returncode == 0 and lines:

@@ -115,6 +115,8 @@ class GpulaunchAgent(LocalElasticAgent):
 
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
+        if self._start_method == "fork":
+            _report_every_failed_rank(self._pcontext)
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         self.status.update(state="RUNNING", attempt=attempt,
@@ -151,6 +153,35 @@ class GpulaunchAgent(LocalElasticAgent):
     def current_pids(self) -> list[int]:
         pc = self._pcontext
         return list(pc.pids().values()) if pc is not None else []
+
+
+def _report_every_failed_rank(pcontext) -> None:
+    """torchelastic's MultiprocessContext reports only the FIRST failed rank it notices, where
+    its SubprocessContext (spawn) reports every rank that had failed by that poll. Several ranks
+    failing within one poll is common (the culprit, then its peers' "connection closed"), and
+    the root-cause report needs them all to pick the culprit, so put them back."""
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    poll = pcontext._poll
+
+    def poll_all():
+        procs = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
+        # Exit codes before torchelastic's poll, and after it: on a failure that poll SIGTERMs
+        # (later SIGKILLs) the survivors, so afterwards a death by those signals is ours, not
+        # theirs; any other exit code is a rank that failed by itself in the same instant.
+        exited = {lr: (p.pid, p.exitcode) for lr, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        result = poll()
+        if result is not None and result.is_failed():
+            ours = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
+            exited.update({lr: (p.pid, p.exitcode) for lr, p in enumerate(procs)
+                           if lr not in exited and p.exitcode not in ours})
+            for lr, (pid, code) in exited.items():
+                if lr not in result.failures:
+                    result.failures[lr] = ProcessFailure(local_rank=lr, pid=pid, exitcode=code,
+                                                         error_file=pcontext.error_files[lr])
+        return result
+
+    pcontext._poll = poll_all
 
 
 def _watch_caller(stop_event: threading.Event) -> None:
