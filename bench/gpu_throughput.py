@@ -209,7 +209,7 @@ def _hf(cfg, device, args, bs, seq, out_dir):
 
     trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[StepTimer()])
     out = trainer.train()
-    notes = {"optimizer": str(targs.optim), "attention": str(model.config._attn_implementation),
+    notes = {"optimizer": getattr(targs.optim, "value", str(targs.optim)), "attention": str(model.config._attn_implementation),
              "activation_checkpointing": bool(targs.gradient_checkpointing),
              "compile": bool(targs.torch_compile), "precision": "bf16 autocast (Trainer bf16=True)"
              if cuda else "fp32", "train_loss": out.training_loss,

@@ -116,7 +116,7 @@ class GpulaunchAgent(LocalElasticAgent):
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
         if self._start_method == "fork":
-            _report_every_failed_rank(self._pcontext)
+            _like_spawned_ranks(self._pcontext)
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         self.status.update(state="RUNNING", attempt=attempt,
@@ -155,14 +155,19 @@ class GpulaunchAgent(LocalElasticAgent):
         return list(pc.pids().values()) if pc is not None else []
 
 
-def _report_every_failed_rank(pcontext) -> None:
-    """torchelastic's MultiprocessContext reports only the FIRST failed rank it notices, where
-    its SubprocessContext (spawn) reports every rank that had failed by that poll. Several ranks
-    failing within one poll is common (the culprit, then its peers' "connection closed"), and
-    the root-cause report needs them all to pick the culprit, so put them back."""
+def _like_spawned_ranks(pcontext) -> None:
+    """Make torchelastic's MultiprocessContext (fork) behave as its SubprocessContext (spawn)
+    does in the two ways the run's reports and cleanup rely on:
+
+    * it reports only the FIRST failed rank it notices; SubprocessContext reports every rank
+      that had failed by that poll. Several ranks failing within one poll is common (the
+      culprit, then its peers' "connection closed"), and the root cause needs them all;
+    * it stops a rank by signalling its pid; SubprocessContext signals the rank's process
+      group (each rank has its own session), which also reaches the rank's children.
+    """
     from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
-    poll = pcontext._poll
+    poll, close = pcontext._poll, pcontext._close
 
     def poll_all():
         procs = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
@@ -181,7 +186,20 @@ def _report_every_failed_rank(pcontext) -> None:
                                                          error_file=pcontext.error_files[lr])
         return result
 
+    def close_groups(death_sig, timeout=30):
+        pc = getattr(pcontext, "_pc", None)
+        pids = [p.pid for p in pc.processes] if pc is not None else []
+        procutil.kill_process_groups([p.pid for p in pc.processes if p.is_alive()] if pc else [],
+                                     death_sig)
+        close(death_sig=death_sig, timeout=timeout)   # waits, then SIGKILLs the ranks
+        for pid in pids:                              # and what is left of their groups
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     pcontext._poll = poll_all
+    pcontext._close = close_groups
 
 
 def _watch_caller(stop_event: threading.Event) -> None:
