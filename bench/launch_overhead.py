@@ -369,6 +369,15 @@ def report(results: dict, meta: dict, out: Path) -> str:
     return text
 
 
+def _meta(a, counts, launchers, loads) -> dict:
+    import torch
+    return {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "reps": a.reps, "workers": counts, "launchers": launchers,
+            "load_median": statistics.median(loads), "load_min": min(loads),
+            "load_max": max(loads), "command": " ".join(["python"] + sys.argv)}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workers", default="2,4", help="comma-separated worker counts")
@@ -423,18 +432,13 @@ def main() -> None:
                         results[n]["ray_warm2"].append({**r.pop("second"), "load1": r["load1"]})
                     print(f"{n} workers rep {rep} {name}: "
                           + json.dumps({k: (round(v, 3) if isinstance(v, float) else v)
-                                        for k, v in r.items() if k != "phases"})[:300], flush=True)
+                                        for k, v in r.items()})[:600], flush=True)
+                    report(results, _meta(a, counts, launchers, loads), out)  # partial, survives a kill
     finally:
         if cluster:
             cluster.stop()
         shutil.rmtree(work, ignore_errors=True)
-    import torch
-    meta = {"host": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version(),
-            "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "reps": a.reps, "workers": counts, "launchers": launchers,
-            "load_median": statistics.median(loads), "load_min": min(loads),
-            "load_max": max(loads), "command": " ".join(["python"] + sys.argv)}
-    print(report(results, meta, out))
+    print(report(results, _meta(a, counts, launchers, loads), out))
     print(f"written: {out}/launch_overhead.md, {out}/launch_overhead.json")
 
 
