@@ -32,3 +32,11 @@ def run_group(cmd, *, timeout: float, **kw) -> subprocess.CompletedProcess:
     except (ProcessLookupError, PermissionError):
         pass
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def exit_on_sigterm() -> None:
+    """A driver stopped by SIGTERM (``timeout``, a CI runner) unwinds like Ctrl-C, so that
+    ``run_group``'s cleanup kills the running child's group instead of orphaning it."""
+    import sys
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))

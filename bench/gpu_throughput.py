@@ -46,7 +46,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _proc import run_group  # bench/_proc.py
+from _proc import exit_on_sigterm, run_group  # bench/_proc.py
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_RUNS = {
@@ -345,6 +345,7 @@ def main() -> None:
         print("RESULT " + json.dumps(run_one(args.one[0], args.one[1], args)), flush=True)
         return
 
+    exit_on_sigterm()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}

@@ -53,7 +53,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from _proc import run_group  # bench/_proc.py
+from _proc import exit_on_sigterm, run_group  # bench/_proc.py
 
 ROOT = Path(__file__).resolve().parents[1]
 ALL = ["api", "api_spawn", "cli", "torchrun", "elastic", "elastic_fork", "accelerate", "ray_warm", "ray_warm2",
@@ -395,6 +395,7 @@ def main() -> None:
               flush=True)
         return
 
+    exit_on_sigterm()
     launchers = a.launchers.split(",")
     unknown = set(launchers) - set(ALL)
     if unknown:

@@ -29,7 +29,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from _proc import run_group  # bench/_proc.py
+from _proc import exit_on_sigterm, run_group  # bench/_proc.py
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -127,6 +127,7 @@ def main() -> None:
         torchrun_worker(a)
         return
 
+    exit_on_sigterm()
     os.environ.setdefault("GPULAUNCH_QUIET", "1")
     os.environ["GPULAUNCH_FORCE_CPU"] = "1"
     os.environ["CUDA_VISIBLE_DEVICES"] = ""
