@@ -8,6 +8,7 @@ communicator) is a consequence, never the cause, unless nothing else failed.
 from __future__ import annotations
 
 import linecache
+import os
 import pickle
 import re
 import signal
@@ -44,9 +45,34 @@ def _load_record(path: Path) -> dict | None:
 
 
 def _rank_log(run: RunDir, attempt: int, rank: int, lines: int = LOG_TAIL_LINES) -> str:
-    text = tail_text(run.rank_file(attempt, rank, "log"), lines)
+    text = _last_lines(_without_launcher_frames(tail_text(run.rank_file(attempt, rank, "log"),
+                                                          lines * 10)), lines)
     early = tail_text(run.rank_file(attempt, rank, "stderr.log"), lines)
     return (early + "\n" + text).strip() if early else text
+
+
+def _last_lines(text: str, n: int) -> str:
+    return "\n".join(text.splitlines()[-n:])
+
+
+_WORKER_PY = os.path.join("gpulaunch", "launch", "worker.py")
+
+
+def _without_launcher_frames(text: str) -> str:
+    """Drop, from faulthandler dumps (``File "x.py", line 12 in f``, most recent call first),
+    the frames from gpulaunch's worker entry down: they are the launcher's, not the user's (a
+    forked rank's stack goes on through multiprocessing and the agent), and they would push
+    the user's own frames out of the log tail we show."""
+    out, skipping = [], False
+    for line in text.splitlines():
+        m = re.match(r'\s*File "(.+)", line \d+ in ', line)
+        if m is None:
+            skipping = False
+        elif skipping or m.group(1).endswith(_WORKER_PY):
+            skipping = True
+            continue
+        out.append(line)
+    return "\n".join(out)
 
 
 def _indent(text: str, pad: str = "    ") -> str:

@@ -59,13 +59,21 @@ class NodeTracking:
         self.info = info
         self.logger = logger
 
+    def start_sampler(self) -> None:
+        """Start the system-metrics thread. The agent calls this once its ranks are running:
+        ranks are forked from the agent, and a fork taken while this thread imports MLflow (or
+        holds stderr's lock) would hand the child locks that nobody will ever release."""
+        if self.logger is not None and not self.logger.started:
+            self.logger.start()
+
     def stop(self) -> None:
-        if self.logger is not None:
+        if self.logger is not None and self.logger.started:
             self.logger.stop()
 
 
 def setup(launch: dict, run: RunDir, node_rank: int) -> NodeTracking | None:
-    """Export the run's ids to the ranks' environment and start the system-metrics thread.
+    """Export the run's ids to the ranks' environment and prepare the system-metrics thread
+    (``NodeTracking.start_sampler()`` starts it, after the ranks are forked).
     Never raises: a problem here costs the run its tracking, not its training."""
     try:
         info = resolve_info(launch, run)
@@ -79,7 +87,7 @@ def setup(launch: dict, run: RunDir, node_rank: int) -> NodeTracking | None:
             from .system import SystemMetricsLogger
             nproc = int((launch.get("spec") or {}).get("nproc_per_node") or 0) or None
             logger = SystemMetricsLogger(info["run_id"], info["tracking_uri"], node_rank,
-                                         float(interval), nproc=nproc, log=_log).start()
+                                         float(interval), nproc=nproc, log=_log)
         return NodeTracking(info, logger)
     except Exception as e:  # noqa: BLE001
         _log(f"disabled on this node: {type(e).__name__}: {e}")

@@ -128,6 +128,10 @@ class SystemMetricsLogger:
                                         daemon=True)
         self._warned = False
 
+    @property
+    def started(self) -> bool:
+        return self._thread.ident is not None
+
     def start(self) -> "SystemMetricsLogger":
         self._thread.start()
         return self

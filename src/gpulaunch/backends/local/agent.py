@@ -28,12 +28,12 @@ import time
 import traceback
 from pathlib import Path
 
-from torch.distributed.elastic.agent.server.api import WorkerSpec
+from torch.distributed.elastic.agent.server.api import RunResult, WorkerSpec, WorkerState
 from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ...launch import procutil
+from ...launch import procutil, worker
 from ...launch.rundir import RunDir, read_json, write_json_atomic
 from .rendezvous import BoundStaticRendezvous
 
@@ -113,8 +113,15 @@ class GpulaunchAgent(LocalElasticAgent):
             self._pcontext.close(death_sig, timeout=max(1, int(round(self.shutdown_grace))))
         return super()._shutdown(death_sig, *args, **kwargs)
 
+    on_first_start = None   # called once, after the first group of ranks is running
+
     def _start_workers(self, worker_group):
         pids = super()._start_workers(worker_group)
+        if self.on_first_start is not None:
+            callback, self.on_first_start = self.on_first_start, None
+            callback()
+        if self._start_method == "fork":
+            _like_spawned_ranks(self._pcontext)
         attempt = worker_group.spec.max_restarts - self._remaining_restarts
         ranks = {w.local_rank: w.global_rank for w in worker_group.workers}
         self.status.update(state="RUNNING", attempt=attempt,
@@ -123,8 +130,22 @@ class GpulaunchAgent(LocalElasticAgent):
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
+        if self._start_method == "fork" and result.state == WorkerState.HEALTHY:
+            result = self._forked_success(worker_group) or result
         self._last_result = result
         return result
+
+    def _forked_success(self, worker_group):
+        """Forked ranks end with ``os._exit(0)`` (so a stray thread can never hang their exit)
+        instead of handing a return value to torchelastic's queue; its MultiprocessContext
+        would wait for that value forever. All ranks exited 0 = the group succeeded (results
+        travel through the run directory anyway)."""
+        procs = getattr(getattr(self._pcontext, "_pc", None), "processes", None)
+        if not procs or any(p.exitcode != 0 for p in procs):
+            return None
+        self._pcontext.close()
+        return RunResult(state=WorkerState.SUCCEEDED,
+                         return_values={w.global_rank: None for w in worker_group.workers})
 
     def _restart_workers(self, worker_group):
         if self._last_result is not None and self._last_result.failures:
@@ -139,10 +160,59 @@ class GpulaunchAgent(LocalElasticAgent):
         return list(pc.pids().values()) if pc is not None else []
 
 
+def _like_spawned_ranks(pcontext) -> None:
+    """Make torchelastic's MultiprocessContext (fork) behave as its SubprocessContext (spawn)
+    does in the two ways the run's reports and cleanup rely on:
+
+    * it reports only the FIRST failed rank it notices; SubprocessContext reports every rank
+      that had failed by that poll. Several ranks failing within one poll is common (the
+      culprit, then its peers' "connection closed"), and the root cause needs them all;
+    * it stops a rank by signalling its pid; SubprocessContext signals the rank's process
+      group (each rank has its own session), which also reaches the rank's children.
+    """
+    from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
+
+    poll, close = pcontext._poll, pcontext._close
+
+    def poll_all():
+        procs = getattr(getattr(pcontext, "_pc", None), "processes", None) or []
+        # Exit codes before torchelastic's poll, and after it: on a failure that poll SIGTERMs
+        # (later SIGKILLs) the survivors, so afterwards a death by those signals is ours, not
+        # theirs; any other exit code is a rank that failed by itself in the same instant.
+        exited = {lr: (p.pid, p.exitcode) for lr, p in enumerate(procs) if p.exitcode not in (None, 0)}
+        result = poll()
+        if result is not None and result.is_failed():
+            ours = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
+            exited.update({lr: (p.pid, p.exitcode) for lr, p in enumerate(procs)
+                           if lr not in exited and p.exitcode not in ours})
+            for lr, (pid, code) in exited.items():
+                if lr not in result.failures:
+                    result.failures[lr] = ProcessFailure(local_rank=lr, pid=pid, exitcode=code,
+                                                         error_file=pcontext.error_files[lr])
+        return result
+
+    def close_groups(death_sig, timeout=30):
+        pc = getattr(pcontext, "_pc", None)
+        pids = [p.pid for p in pc.processes] if pc is not None else []
+        procutil.kill_process_groups([p.pid for p in pc.processes if p.is_alive()] if pc else [],
+                                     death_sig)
+        close(death_sig=death_sig, timeout=timeout)   # waits, then SIGKILLs the ranks
+        for pid in pids:                              # and what is left of their groups
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    pcontext._poll = poll_all
+    pcontext._close = close_groups
+
+
 def _watch_caller(stop_event: threading.Event) -> None:
     """The caller holds our stdin's write end. EOF = the caller is gone: stop everything."""
     try:
-        while os.read(sys.stdin.fileno(), 1):  # unbuffered: no lock held at shutdown
+        # os.read, not sys.stdin.buffer.read: the buffered reader's lock would be held by this
+        # thread at the moment we fork a rank, and a forked rank closing stdin would deadlock.
+        while os.read(0, 1):
             pass
     except (OSError, ValueError):
         pass
@@ -213,6 +283,35 @@ def _wait_for_port(path: Path, timeout: float = 600.0) -> int:
     raise TimeoutError(f"node 0's rendezvous port did not arrive in {path} within {timeout:g} s")
 
 
+# Variables that only take effect when an interpreter (or a library at load time) starts: a
+# forked rank would silently not see them if the user set them through ``env=``.
+_STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_",
+                         "PYTORCH_")
+
+
+def choose_start_method(spec: dict) -> tuple[str, str]:
+    """fork (fast: ranks inherit our imported torch) unless something makes it unsafe.
+
+    The usual objection to fork - a parent that initialised CUDA - cannot apply to the agent: it
+    never touches a GPU (checked below anyway). ``GPULAUNCH_START_METHOD=spawn`` forces the old
+    way: a fresh interpreter per rank, as torchrun does.
+    """
+    forced = os.environ.get("GPULAUNCH_START_METHOD", "").strip().lower()
+    if forced in ("fork", "spawn"):
+        return forced, "GPULAUNCH_START_METHOD"
+    if forced:
+        raise ValueError(f"GPULAUNCH_START_METHOD={forced!r}: use 'fork' or 'spawn'")
+    if not hasattr(os, "fork"):
+        return "spawn", "no fork on this platform"
+    import torch
+    if torch.cuda.is_initialized():
+        return "spawn", "CUDA was initialised in the agent"
+    startup = sorted(k for k, _ in spec.get("env", []) if k.startswith(_STARTUP_ENV_PREFIXES))
+    if startup:
+        return "spawn", f"env= sets variables read at interpreter start: {', '.join(startup)}"
+    return "fork", "default"
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="gpulaunch-agent")
     p.add_argument("run_dir")
@@ -251,14 +350,23 @@ def main(argv: list[str] | None = None) -> int:
             connect_host=launch.get("master_addr"), node_rank=node_rank, nnodes=nnodes,
             run_id=run.run_id)
         status.update(master_port=rdzv.port)
-        entry = [sys.executable, "-u", "-m", "gpulaunch.launch.worker", str(run.path)]
+        start_method, why = choose_start_method(spec)
+        status.update(start_method=start_method, start_method_reason=why)
+        if start_method == "fork":
+            entry = [worker.fork_entry, str(run.path)]
+            sys.stdout.flush()
+            sys.stderr.flush()
+        else:
+            entry = [sys.executable, "-u", "-m", "gpulaunch.launch.worker", str(run.path)]
         wspec = WorkerSpec(role="rank", local_world_size=int(spec["nproc_per_node"]),
                            entrypoint=entry[0], args=tuple(entry[1:]), rdzv_handler=rdzv,
                            max_restarts=int(spec.get("max_restarts", 0)), monitor_interval=0.1)
-        agent = GpulaunchAgent(wspec, logs_specs=RunDirLogs(run), start_method="spawn",
+        agent = GpulaunchAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                                shutdown_grace=float(spec["shutdown_grace"]),
                                exit_barrier_timeout=float(launch.get("exit_barrier_timeout", 300)),
                                status=status)
+        if node_tracking is not None:
+            agent.on_first_start = node_tracking.start_sampler
         if spec.get("hang_timeout"):
             threading.Thread(target=_watch_hangs, args=(run, agent, status, stop_event),
                              daemon=True).start()
@@ -289,4 +397,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    code = main()
+    # Everything of the run is over and recorded: skip the interpreter's teardown of torch
+    # (up to seconds on a loaded machine, all of it on the caller's wait).
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except Exception:  # noqa: BLE001
+            pass
+    os._exit(code)

@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from ...errors import ConfigurationError
 from ...launch import procutil, report
 from ...launch.logstream import LogStreamer
 from ...launch.rundir import RunDir, hostname, read_json, write_json_atomic
@@ -78,6 +79,10 @@ class LocalRun:
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> "LocalRun":
+        method = os.environ.get("GPULAUNCH_START_METHOD", "").strip().lower()
+        if method not in ("", "fork", "spawn"):
+            raise ConfigurationError(f"GPULAUNCH_START_METHOD={method!r}: use 'fork' (the default: "
+                                     "ranks forked from the agent) or 'spawn' (fresh interpreters).")
         launch = {
             "spec": dataclasses.asdict(self.spec),
             "entry": self.entry,

@@ -1,0 +1,70 @@
+"""Ranks are forked from the agent by default; a forked rank must look like a spawned one.
+
+Real runs (2 CPU workers, gloo): the start method recorded in status.json, the fallbacks to
+spawn, and what a forked rank must not inherit from the agent (its logging configuration,
+signal handlers, process group, OpenMP thread count, buffered stdout).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from gpulaunch import distributed
+from gpulaunch.errors import ConfigurationError
+from gpulaunch.launch.rundir import RunDir
+
+from conftest import assert_no_survivors, latest_run_dir
+
+pytestmark = pytest.mark.slow
+
+
+def _rank_state():
+    import logging
+    import os
+    import signal
+    import sys
+
+    import torch
+
+    from gpulaunch import runtime as rt
+    rt.init()
+    logging.basicConfig(level=logging.INFO, format="USERLOG %(message)s")  # must take effect
+    logging.getLogger("user").info("hello from rank %d", rt.get_global_rank())
+    print("PRINTED", flush=False)  # unbuffered stdout: reaches the log without a flush
+    return {"own_group": os.getpgid(0) == os.getpid(),
+            "sigterm_default": signal.getsignal(signal.SIGTERM) == signal.SIG_DFL,
+            "sigint": signal.getsignal(signal.SIGINT) is signal.default_int_handler,
+            "threads": torch.get_num_threads(), "argv0": os.path.basename(sys.argv[0])}
+
+
+def test_forked_rank_looks_like_a_spawned_one(gpulaunch_home):
+    handle = distributed(gpus=2, stream_logs="none")(_rank_state).submit()
+    forked = handle.result(timeout=300)
+    assert RunDir(handle.run_dir).status()["start_method"] == "fork"
+    logs = handle.logs()
+    assert "USERLOG hello from rank 0" in logs and "USERLOG hello from rank 1" in logs
+    assert "PRINTED" in logs
+    assert_no_survivors(handle.run_dir)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("GPULAUNCH_START_METHOD", "spawn")
+        handle = distributed(gpus=2, stream_logs="none")(_rank_state).submit()
+        spawned = handle.result(timeout=300)
+    assert RunDir(handle.run_dir).status()["start_method"] == "spawn"
+    assert forked == spawned
+    assert forked[0] == {"own_group": True, "sigterm_default": True, "sigint": True, "threads": 1,
+                         "argv0": "worker.py"}
+
+
+def test_env_read_at_interpreter_start_falls_back_to_spawn(gpulaunch_home):
+    f = distributed(gpus=2, stream_logs="none", env={"PYTHONHASHSEED": "123"})(
+        lambda: __import__("os").environ["PYTHONHASHSEED"])
+    assert f.distributed() == ["123", "123"]
+    status = RunDir(latest_run_dir(gpulaunch_home)).status()
+    assert status["start_method"] == "spawn" and "PYTHONHASHSEED" in status["start_method_reason"]
+
+
+def test_unknown_start_method_is_refused_before_anything_starts(gpulaunch_home, monkeypatch):
+    monkeypatch.setenv("GPULAUNCH_START_METHOD", "forkserver")
+    with pytest.raises(ConfigurationError, match="GPULAUNCH_START_METHOD='forkserver'"):
+        distributed(gpus=2, stream_logs="none")(lambda: 1).distributed()
