@@ -9,7 +9,11 @@ extras="${GPULAUNCH_EXTRAS:-test}"
 # torch 2.14.1 + torchvision 0.29.1: the CUDA build, which also runs on CPU (RetinaNet recipe
 # needs torchvision). Override with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" (CPU only).
 torch_spec="${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
-key="$( (cat "$repo/pyproject.toml"; echo "$extras $torch_spec") | sha256sum | cut -c1-16)"
+# The versions the test suite was last run green with (pip freeze of that environment): a fresh
+# machine gets the same stack instead of whatever was released since. GPULAUNCH_CONSTRAINTS=""
+# installs the newest that pyproject.toml allows.
+constraints="${GPULAUNCH_CONSTRAINTS-$repo/scripts/constraints.txt}"
+key="$( (cat "$repo/pyproject.toml" ${constraints:+"$constraints"}; echo "$extras $torch_spec") | sha256sum | cut -c1-16)"
 if [ -x "$venv/bin/python" ] && [ "$(cat "$venv/.gpulaunch-key" 2>/dev/null)" = "$key" ]; then
   # dependencies unchanged: only make sure the checkout itself is the one installed
   "$venv/bin/python" -m pip install -q --no-deps -e "$repo" 2>&1 | grep -v "^WARNING: Location" >&2 || true
@@ -21,7 +25,7 @@ quiet() { grep -v "^WARNING: Location" >&2 || true; }  # local package mirrors a
 "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | quiet
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pip install -q $torch_spec 2>&1 | quiet
-"$venv/bin/python" -m pip install -q -e "$repo[$extras]" 2>&1 | quiet
+"$venv/bin/python" -m pip install -q ${constraints:+-c "$constraints"} -e "$repo[$extras]" 2>&1 | quiet
 "$venv/bin/python" -c "import gpulaunch, torch" # fail here, clearly, if the install did not work
 echo "$key" > "$venv/.gpulaunch-key"
 echo "$venv"
