@@ -223,17 +223,17 @@ class LocalRun:
 
 class _ActiveRuns:
     """Runs still going when the interpreter exits are stopped (the stdin pipe covers a
-    caller that dies without running atexit)."""
+    caller that dies without running atexit). Any run with ``stop(reason)``: LocalRun, RayRun."""
 
     def __init__(self):
-        self._runs: set[LocalRun] = set()
+        self._runs: set = set()
         self._lock = threading.Lock()
 
-    def add(self, run: LocalRun) -> None:
+    def add(self, run) -> None:
         with self._lock:
             self._runs.add(run)
 
-    def discard(self, run: LocalRun) -> None:
+    def discard(self, run) -> None:
         with self._lock:
             self._runs.discard(run)
 

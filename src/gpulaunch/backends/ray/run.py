@@ -27,6 +27,7 @@ from ...launch.logstream import LogStreamer
 from ...launch.report import raise_for_run
 from ...launch.rundir import RunDir, hostname, write_json_atomic
 from ...launch.spec import LaunchSpec
+from ..local.launcher import _ACTIVE   # runs stopped at interpreter exit: local and Ray alike
 from . import placement
 from .cluster import RayCluster, _has_local_paths, connect
 from .node_agent import NodeAgent
@@ -451,33 +452,3 @@ def _ray_error_text(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = next((line for line in text if line.strip()), "")
     return f"{type(e).__name__}: {first[:300]}"
-
-
-class _ActiveRuns:
-    def __init__(self):
-        self._runs: set[RayRun] = set()
-        self._lock = threading.Lock()
-
-    def add(self, run: RayRun) -> None:
-        with self._lock:
-            self._runs.add(run)
-
-    def discard(self, run: RayRun) -> None:
-        with self._lock:
-            self._runs.discard(run)
-
-    def stop_all(self) -> None:
-        with self._lock:
-            runs = list(self._runs)
-        for run in runs:
-            try:
-                run.stop("cancelled")
-            except Exception:
-                pass
-
-
-_ACTIVE = _ActiveRuns()
-
-import atexit  # noqa: E402
-
-atexit.register(_ACTIVE.stop_all)
