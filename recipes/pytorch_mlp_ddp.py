@@ -46,6 +46,8 @@ class Config:
     log_every: int = 20              # steps between printed (and MLflow-logged) losses
     mlflow_uri: Optional[str] = None  # e.g. sqlite:///mlflow.db; also picks up MLFLOW_RUN_ID
     out: Optional[str] = None        # write the result dict here as JSON
+    cluster: Optional[str] = None    # a Ray address ("auto", "head:6379"): run on that cluster's
+                                     # nodes, gpus= then counts ranks over all of them
 
 
 # The seed trains 5000 samples for 3 epochs at batch size 1 per GPU on 8 GPUs; batch 1 only
@@ -143,7 +145,7 @@ def start_mlflow(cfg, run_name: str):
 from gpulaunch import distributed, runtime as rt
 
 
-@distributed(gpus=cfg.gpus)
+@distributed(gpus=cfg.gpus, cluster=cfg.cluster)
 def train(cfg: Config) -> Optional[dict]:
     import resource
     import time

@@ -254,6 +254,29 @@ def test_ddp_on_two_nodes_matches_one_host_with_the_same_world_size(cluster):
     assert two_nodes == pytest.approx(one_host, rel=1e-6, abs=1e-7)
 
 
+@pytest.mark.slow
+def test_mlp_ddp_recipe_on_two_nodes_matches_one_host(cluster, tmp_path):
+    """The recipes' DDP script, unchanged but for --cluster: 2 nodes x 2 ranks vs 4 ranks here."""
+    import json
+    import subprocess
+    import sys
+
+    from conftest import ROOT, python_env
+    results, printed = {}, {}
+    for where, extra in (("ray", ["--cluster", cluster.address]), ("local", [])):
+        out = tmp_path / f"{where}.json"
+        proc = subprocess.run([sys.executable, str(ROOT / "recipes" / "pytorch_mlp_ddp.py"), "--gpus", "4",
+                               "--epochs", "1", "--out", str(out), *extra], cwd=str(tmp_path), env=python_env(),
+                              capture_output=True, text=True, timeout=BOUND_S * 3)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+        results[where] = json.loads(out.read_text())
+        printed[where] = proc.stdout
+    assert "[node 0 rank 0]" in printed["ray"] and "[node " not in printed["local"]  # it ran on Ray nodes
+    assert results["ray"]["world_size"] == results["local"]["world_size"] == 4
+    assert results["ray"]["after"] < results["ray"]["before"]          # it trained
+    assert results["ray"]["after"] == pytest.approx(results["local"]["after"], rel=1e-6)
+
+
 def _ray_program():
     import ray
 
