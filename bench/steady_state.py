@@ -107,6 +107,12 @@ def torchrun_worker(a) -> None:
     dist.all_gather_object(gathered, res)
     if dist.get_rank() == 0:
         Path(a.worker).write_text("\n".join(json.dumps(r) for r in gathered))
+    # The DDP model is gone but its reducer's reference cycle still holds the process group:
+    # collect it now, or torch 2.14's gloo group is torn down at interpreter exit, which aborts
+    # the rank ("terminate called without an active exception", SIGABRT) in a good share of
+    # runs. gpulaunch's ranks end with os._exit and never meet this.
+    import gc
+    gc.collect()
     dist.destroy_process_group()
 
 

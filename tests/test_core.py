@@ -247,8 +247,9 @@ def test_unmodified_torchrun_script_same_output_as_torchrun(tmp_path):
     ours = subprocess.run([PY, "-m", "gpulaunch.cli", "run", "--gpus", "2", str(script)],
                           capture_output=True, text=True, timeout=120, env=python_env())
     assert ours.returncode == 0, ours.stderr
-    # torchrun itself rarely aborts at interpreter exit under load (FINDINGS.md); retry that.
-    for _ in range(3):
+    # torchrun's ranks abort at interpreter exit in a share of runs (torch 2.14's gloo group
+    # torn down during exit, see the next test); retry the reference.
+    for _ in range(5):
         ref = subprocess.run([PY, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                               str(script)], capture_output=True, text=True, timeout=120,
                              env=python_env())
@@ -258,6 +259,29 @@ def test_unmodified_torchrun_script_same_output_as_torchrun(tmp_path):
     assert results(ours.stdout) == results(ref.stdout)
     assert len(results(ours.stdout)) == 2
     assert "[rank 0] RESULT" in ours.stdout and "[rank 1] RESULT" in ours.stdout
+
+
+@pytest.mark.slow
+def test_script_that_leaves_its_process_group_alive_exits_cleanly(tmp_path):
+    """A script that never calls destroy_process_group (most do not) must not die at exit.
+
+    Under torchrun, torch 2.14.1 aborts such a rank in roughly a third of runs ("terminate
+    called without an active exception", SIGABRT, measured 6 of 15 on 2 cores), after its
+    work is done: the gloo group is torn down during interpreter exit. gpulaunch's ranks end
+    with os._exit after their atexit handlers, so eight runs in a row all pass."""
+    script = tmp_path / "no_destroy.py"
+    script.write_text(textwrap.dedent("""
+        import torch, torch.distributed as dist
+        dist.init_process_group("gloo")
+        t = torch.ones(4)
+        dist.all_reduce(t)
+        print("SUM", int(t.sum()), flush=True)
+    """))
+    for attempt in range(8):
+        run = subprocess.run([PY, "-m", "gpulaunch.cli", "run", "--gpus", "2", str(script)],
+                             capture_output=True, text=True, timeout=120, env=python_env())
+        assert run.returncode == 0, f"attempt {attempt}: {run.stdout[-2000:]}{run.stderr[-2000:]}"
+        assert "[rank 0] SUM 8" in run.stdout and "[rank 1] SUM 8" in run.stdout
 
 
 def test_cli_module_and_command_modes_and_exit_codes(tmp_path):
