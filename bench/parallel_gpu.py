@@ -1,4 +1,4 @@
-"""bf16 equivalence and peak GPU memory per strategy for a ~1B-parameter Llama-shaped model.
+"""bf16 (or fp32) equivalence and peak GPU memory per strategy for a ~1B-parameter Llama-shaped model.
 
 On ONE GPU (world size 1, NCCL) it trains the same randomly initialised model on the same
 batches with: plain PyTorch (the reference, bf16 autocast + fp32 master weights, no gpulaunch),
@@ -199,7 +199,7 @@ def _report(results, args, out, t0, final):
     meta.update(_env_meta())
     (out / "parallel_gpu.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2))
 
-    lines = [f"# gpulaunch.parallel on one GPU: bf16 equivalence and peak memory",
+    lines = [f"# gpulaunch.parallel on one GPU: {args.precision} equivalence and peak memory",
              "", f"GPU: {meta.get('gpu')} ({meta.get('gpu_mem_gib', 0):.0f} GiB), torch {meta.get('torch')}, "
              f"deepspeed {meta.get('deepspeed')}. Model: {args.model} "
              f"({(results[0].get('params') or 0) / 1e9:.2f} B params), micro-batch {args.batch} x seq {args.seq}, "
