@@ -311,6 +311,65 @@ def _gpu_nodes(n, gpus=8, kind="H100"):
             for i in range(n)]
 
 
+def _log_from_each_node(fail: bool):
+    import os
+
+    import mlflow
+    import torch
+    import torch.distributed as dist
+    rt.init()
+    t = torch.ones(1)
+    dist.all_reduce(t)
+    if int(os.environ["LOCAL_RANK"]) == 0:      # one writer per node, into the caller's run
+        mlflow.log_metric(f"seen_by_node_{os.environ['NODE_RANK']}", t.item())
+    print(f"rank {rt.get_global_rank()} run {os.environ.get('MLFLOW_RUN_ID')}", flush=True)
+    if fail and rt.get_global_rank() == 3:
+        raise KeyError("missing on node 1")
+    return rt.get_global_rank()
+
+
+@pytest.mark.slow
+def test_tracked_remote_run_is_one_mlflow_run_written_by_every_node(cluster, tmp_path,
+                                                                       monkeypatch):
+    mlflow = pytest.importorskip("mlflow")
+    from mlflow.tracking import MlflowClient
+
+    from gpulaunch.tracking import caller as tracking_caller
+    uri = f"sqlite:///{tmp_path / 'mlflow.db'}"
+    monkeypatch.setenv("GPULAUNCH_TRACKING", "1")
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "ray")
+    monkeypatch.setenv("GPULAUNCH_SYSTEM_METRICS_INTERVAL", "1")
+    monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
+    tracking_caller._warned.clear()
+    fn = distributed(gpus=4, remote=True, timeout=BOUND_S)(_log_from_each_node)
+
+    handle = fn.submit(False)
+    assert handle.result(timeout=BOUND_S) == [0, 1, 2, 3]
+    client = MlflowClient(uri)
+    run = client.get_run(handle.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert run.data.metrics["seen_by_node_0"] == run.data.metrics["seen_by_node_1"] == 4.0
+    assert run.data.params["gpulaunch.nnodes"] == "2"
+    # each node's agent sampled its own node into the same run
+    for node in (0, 1):
+        assert f"system/node_{node}/cpu_utilization_percentage" in run.data.metrics
+    logged = {f.path for f in client.list_artifacts(run.info.run_id, "logs/attempt0")}
+    assert {f"logs/attempt0/rank{r}.log" for r in range(4)} <= logged
+    text = open(client.download_artifacts(run.info.run_id, "logs/attempt0/rank3.log")).read()
+    assert f"rank 3 run {run.info.run_id}" in text
+
+    # A failing rank on node 1: the run is FAILED and carries the same error the caller gets.
+    handle = fn.submit(True)
+    with pytest.raises(KeyError, match="missing on node 1"):
+        handle.result(timeout=BOUND_S)
+    run = client.get_run(handle.mlflow_run_id)
+    assert run.info.status == "FAILED"
+    report = open(client.download_artifacts(run.info.run_id, "gpulaunch/error.txt")).read()
+    assert "missing on node 1" in report and "rank 3" in report
+    assert_cluster_free()
+
+
 def test_layout_takes_every_gpu_of_a_node_and_the_accelerator_resource():
     lay = plan(_gpu_nodes(2), gpus=16, gpu_type=GPUType.H100, gpus_per_node=None,
                force_cpu=False)
@@ -322,6 +381,16 @@ def test_layout_takes_every_gpu_of_a_node_and_the_accelerator_resource():
     assert (small.nnodes, small.nproc_per_node) == (1, 4)
     four = plan(_gpu_nodes(4), gpus=16, gpu_type=None, gpus_per_node=4, force_cpu=False)
     assert (four.nnodes, four.nproc_per_node) == (4, 4)
+
+
+def test_which_mlflow_stores_other_nodes_cannot_reach_without_shared_storage():
+    from gpulaunch.backends.ray.run import _is_local_store
+    for uri in ("sqlite:////home/me/.gpulaunch/mlflow.db", "file:///tmp/mlruns", "/tmp/mlruns",
+                "./mlruns", "mlruns"):
+        assert _is_local_store(uri), uri
+    for uri in ("http://mlflow:5000", "https://x.example/mlflow", "databricks",
+                "databricks://profile", "postgresql://db/mlflow"):
+        assert not _is_local_store(uri), uri
 
 
 def test_layout_refusals_name_the_gap():

@@ -226,7 +226,7 @@ class DistributedFunction:
         if spec.remote:
             from .backends.ray.run import RayRun
             return RayRun(spec, blob, {"kind": "function"}, label=self.__name__,
-                          cluster=self.cluster, stream=stream).start()
+                          cluster=self.cluster, stream=stream, tracking=self.tracking).start()
         run = rundir.create(self.__name__)
         with open(os.open(run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600), "wb") as f:
             f.write(blob)

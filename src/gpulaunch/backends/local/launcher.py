@@ -61,13 +61,17 @@ class LocalRun:
     """One run on this host. ``step()`` advances it; ``stop()`` ends it; ``outcome()`` reads it."""
 
     def __init__(self, spec: LaunchSpec, run: RunDir, entry: dict, *, label: str,
-                 stream: bool = True, write=None, node: "NodePlacement | None" = None, tracker=None):
+                 stream: bool = True, write=None, node: "NodePlacement | None" = None, tracker=None,
+                 tracking_fields: dict | None = None):
         self.spec = spec
         self.node = node or NodePlacement()
         self.run = run
         self.entry = entry
         self.label = label
         self.tracker = tracker              # gpulaunch.tracking.caller.CallTracker or None
+        # A node of a multi-node run: the MLflow ids its caller's tracker already created
+        # (the caller, not this node, opens and closes the run).
+        self.tracking_fields = tracking_fields
         self.reason: str | None = None      # "timeout" / "cancelled" when we stopped it
         self.proc: subprocess.Popen | None = None
         self.finished = False
@@ -97,6 +101,8 @@ class LocalRun:
         }
         if self.tracker is not None:        # tracking hook: the agent hands MLflow ids to ranks
             launch["tracking"] = self.tracker.launch_fields()
+        elif self.tracking_fields:
+            launch["tracking"] = self.tracking_fields
         write_json_atomic(self.run.launch_json, launch)
         with open(self.run.agent_log, "wb") as agent_log:
             self.proc = subprocess.Popen(

@@ -77,10 +77,12 @@ class NodeAgent:
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def start(self, spec: LaunchSpec, entry: dict, label: str, payload: bytes,
-              nnodes: int, master_addr: str | None, master_port: int | None) -> dict:
+              nnodes: int, master_addr: str | None, master_port: int | None,
+              tracking: dict | None = None) -> dict:
         """Start this node's local agent. Node 0 binds the rendezvous store on its own cluster
         IP with a port chosen here and returns it; the others connect to it (given now, or
-        later through ``set_master_port``)."""
+        later through ``set_master_port``). ``tracking``: the MLflow run's ids, created by the
+        caller; this node's agent hands them to its ranks and samples this node's metrics."""
         with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
                   "wb") as f:
             f.write(payload)
@@ -92,7 +94,8 @@ class NodeAgent:
                              master_port_file=port_file)
         # The caller enforces timeout= for the whole job, and stops every node on it.
         local_spec = _without_timeout(spec)
-        self.local = LocalRun(local_spec, self.run, entry, label=label, stream=False, node=node)
+        self.local = LocalRun(local_spec, self.run, entry, label=label, stream=False, node=node,
+                              tracking_fields=tracking)
         self.local.start()
         if self.node_rank != 0:
             return {"master_port": master_port}

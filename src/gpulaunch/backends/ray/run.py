@@ -44,7 +44,8 @@ class RayRun:
     state, finished, outcome, run (the caller's run directory), spec."""
 
     def __init__(self, spec: LaunchSpec, payload: bytes, entry: dict, *, label: str,
-                 cluster: RayCluster | None = None, stream: bool = True, write=None):
+                 cluster: RayCluster | None = None, stream: bool = True, write=None,
+                 tracking=None):
         if spec.max_restarts:
             raise errors.ConfigurationError(
                 "max_restarts is not supported with remote=True yet: a restart would have to "
@@ -76,6 +77,8 @@ class RayRun:
         self._deadline: float | None = None
         self._ray = None
         self.timings: dict[str, float] = {}   # seconds since start() for each phase
+        self.tracking = tracking          # gpulaunch.tracking settings (None: the default)
+        self.tracker = None               # the call's MLflow run, opened in start()
 
     def _mark(self, phase: str) -> None:
         self.timings[phase] = round(time.monotonic() - self._t0, 3)
@@ -93,6 +96,11 @@ class RayRun:
         self.spec = dataclasses.replace(self.requested, nproc_per_node=layout.nproc_per_node,
                                         nnodes=layout.nnodes, device=layout.device)
         self.run = rundir.create(self.label)
+        # tracking hook: the MLflow run is created in a thread while the job is placed and
+        # the node agents start; the agents get its ids when they start their ranks.
+        from ...tracking.caller import begin as _begin_tracking
+        self.tracker = _begin_tracking(self.tracking, self.run, label=self.label,
+                                       spec=self.spec, entry=self.entry)
         self._write_launch()
         self._write_status("PLACING")
         timeout = self.cluster.placement_timeout if not self.cluster.autoscaling \
@@ -107,6 +115,8 @@ class RayRun:
             self._teardown()
             self.finished = True
             self._write_status("AGENT_ERROR")
+            if self.tracker is not None:
+                self.tracker.end("CANCELLED" if isinstance(e, KeyboardInterrupt) else "FAILED")
             if isinstance(e, (errors.GpulaunchError, KeyboardInterrupt)):
                 raise
             raise errors.LaunchError(
@@ -152,11 +162,14 @@ class RayRun:
         self._mark("actors_up")
         payload_ref = ray.put(self.payload)
         common = (self.spec, self.entry, self.label)
+        tracking = self._tracking_fields()
         # Every node's agent starts at once (each imports torch); node 0 binds its store on
         # its cluster IP with a port chosen there, and the others learn it when it is known.
         head = self.nodes[0]
-        started = [self.actors[0].start.remote(*common, payload_ref, layout.nnodes, None, 0)]
-        started += [a.start.remote(*common, payload_ref, layout.nnodes, head["ip"], None)
+        started = [self.actors[0].start.remote(*common, payload_ref, layout.nnodes, None, 0,
+                                               tracking)]
+        started += [a.start.remote(*common, payload_ref, layout.nnodes, head["ip"], None,
+                                   tracking)
                     for a in self.actors[1:]]
         port = ray.get(started[0], timeout=START_TIMEOUT)["master_port"]
         self._mark("node0_store_up")
@@ -170,6 +183,28 @@ class RayRun:
         self._pending = [None] * n
         self.master = {"addr": head["ip"], "port": port}
         self._write_launch()
+
+    def _tracking_fields(self) -> dict | None:
+        """The MLflow run's ids for the node agents (the caller made the run meanwhile).
+
+        Nodes cannot see the caller's run directory, so they are handed the ids themselves.
+        A store that is a file on the caller's machine (the default sqlite database) is only
+        reachable from other machines through shared storage: say so, once, up front."""
+        if self.tracker is None:
+            return None
+        info = self.tracker.wait_ready()
+        if not info or not info.get("run_id"):
+            return None
+        uri = info["tracking_uri"]
+        here = hostname()
+        elsewhere = sorted({n.get("host") for n in self.nodes if n.get("host") != here})
+        if elsewhere and _is_local_store(uri):
+            from ...tracking.caller import warn_once
+            warn_once(f"the store {uri} is a file on {here}",
+                      f"ranks on {', '.join(map(str, elsewhere))} can write to it only if that "
+                      "path is shared storage mounted at the same place; for multi-node runs "
+                      "point MLFLOW_TRACKING_URI at a tracking server (mlflow server ...)")
+        return info
 
     def step(self) -> bool:
         """Collect what the nodes have, stream logs, enforce the timeout; True once ended."""
@@ -296,6 +331,8 @@ class RayRun:
         self.finished = True
         _ACTIVE.discard(self)
         self._write_status(self._final_state())
+        if self.tracker is not None:        # tracking hook: logs, report, final MLflow status
+            self.tracker.end(self.state)
 
     def _stop_nodes(self) -> None:
         """Stop every node still running, then collect its last files (logs, errors)."""
@@ -442,6 +479,13 @@ class RayRun:
             except Exception:
                 out[i] = []
         return out
+
+
+def _is_local_store(uri: str) -> bool:
+    """A store that lives in this machine's file system (not a server)."""
+    if "://" in uri:
+        return uri.split("://", 1)[0] in ("sqlite", "file")
+    return not uri.startswith("databricks")      # a bare path is a file store
 
 
 def _get(statuses: list[dict], i: int, key: str):
