@@ -18,8 +18,8 @@ ray = pytest.importorskip("ray")
 
 from gpulaunch import NodeLostError, RayCluster, distributed, runtime as rt  # noqa: E402
 from gpulaunch.backends.ray.driver import ray_launch  # noqa: E402
-from gpulaunch.errors import (GPUTypeError, GPUValidationError, RunCancelledError,  # noqa: E402
-                              ConfigurationError)
+from gpulaunch.errors import (GPUTypeError, GPUValidationError, HangError,  # noqa: E402
+                              RunCancelledError, ConfigurationError)
 from gpulaunch.launch.rundir import RunDir, read_json  # noqa: E402
 
 from conftest import alive  # noqa: E402
@@ -159,6 +159,36 @@ def test_exception_on_rank_4_keeps_type_traceback_rank_and_node(cluster, gpulaun
     assert "_raise_on_rank_4" in exc.remote_traceback
     run_dir = exc.run_dir
     assert_job_gone(run_dir, expect_at_least=6 + 2 * NODES)
+
+
+def _rank_3_skips_the_collective():
+    import time
+
+    import torch
+    import torch.distributed as dist
+    rt.init()
+    t = torch.ones(1)
+    if rt.get_global_rank() == 3:
+        time.sleep(3600)                      # on node 1: never joins the all_reduce
+    dist.all_reduce(t)                        # everyone else waits here, on both nodes
+    return t.item()
+
+
+@pytest.mark.slow
+def test_hang_on_one_node_is_reported_with_stacks_and_stops_every_node(cluster):
+    fn = distributed(gpus=4, remote=True, hang_timeout=8, stream_logs="none")(
+        _rank_3_skips_the_collective)
+    start = time.monotonic()
+    with pytest.raises(HangError) as info:
+        fn.distributed()
+    assert time.monotonic() - start < BOUND_S
+    err = info.value
+    assert "made no progress for" in str(err)
+    assert 3 in err.stacks and "time.sleep(3600)" in err.stacks[3]
+    waiting = [r for r in err.stacks if r != 3]
+    assert waiting and all("dist.all_reduce(t)" in err.stacks[r] for r in waiting), err.stacks
+    assert_job_gone(err.run_dir, expect_at_least=4 + 2 * 2)
+    assert_cluster_free()
 
 
 def test_job_the_cluster_can_never_hold_fails_at_once_naming_what_is_missing(cluster):
