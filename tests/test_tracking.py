@@ -275,6 +275,27 @@ def test_node_sampler_logs_start_and_end_samples(tracked, monkeypatch):
     assert [m.step for m in hist] == [0, 1]       # one at start, one at stop; no 30 s wait
 
 
+def _noop():
+    return 0
+
+
+def test_short_launch_keeps_its_system_metrics_without_waiting_for_the_agent(tracked,
+                                                                            gpulaunch_home):
+    """A run shorter than the agent's MLflow import: the agent hands its start and end samples
+    to the caller (system_metrics.node0.json) instead of waiting; they still land in the run."""
+    handle = distributed(gpus=1)(_noop).submit()
+    assert handle.result(timeout=120) == [0]
+    run_id = handle.mlflow_run_id
+    hist = tracked.get_metric_history(run_id, "system/node_0/cpu_utilization_percentage")
+    assert [m.step for m in sorted(hist, key=lambda m: m.step)] == [0, 1]   # start and end
+    assert "system/node_0/system_memory_usage_megabytes" in tracked.get_run(run_id).data.metrics
+    handed = os.path.join(handle.run_dir, "system_metrics.node0.json")
+    if os.path.exists(handed):          # the usual path for a no-op: the caller logged these
+        with open(handed) as f:
+            data = json.load(f)
+        assert data["run_id"] == run_id and [s["step"] for s in data["samples"]] == [0, 1]
+
+
 # --------------------------------------------------------------------------- HF and Lightning
 def _hf_train(out_dir):
     import torch

@@ -253,6 +253,7 @@ class CallTracker:
         client = self._client
         client.set_tag(run_id, "gpulaunch.state", state)
         self._log_recorded_params(client, run_id)
+        self._log_handed_off_system_metrics(client, run_id)
         if self.cfg.log_artifacts:
             self._upload(client, run_id, state)
         if self.cfg.plot:
@@ -274,6 +275,19 @@ class CallTracker:
         if recorded:
             client.log_batch(run_id, params=[Param(f"gpulaunch.{k}", str(v)[:6000])
                                              for k, v in recorded.items()])
+
+    def _log_handed_off_system_metrics(self, client, run_id: str) -> None:
+        """Samples a node agent took but left to us (it exited before its own MLflow client
+        was ready: a short run). See ``tracking.system.SystemMetricsLogger``."""
+        from mlflow.entities import Metric
+        for path in sorted(self.run.path.glob("system_metrics.node*.json")):
+            data = read_json(path, {}) or {}
+            if data.get("run_id") != run_id:
+                continue
+            metrics = [Metric(k, v, s["timestamp"], s["step"])
+                       for s in data.get("samples", []) for k, v in s["values"].items()]
+            for i in range(0, len(metrics), 900):      # MLflow takes 1000 per batch
+                client.log_batch(run_id, metrics=metrics[i:i + 900])
 
     def _upload(self, client, run_id: str, state: str) -> None:
         run = self.run

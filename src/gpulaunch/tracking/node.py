@@ -71,6 +71,10 @@ class NodeTracking:
             self.logger.stop()
 
 
+def handoff_name(node_rank: int) -> str:
+    return f"system_metrics.node{node_rank}.json"
+
+
 def setup(launch: dict, run: RunDir, node_rank: int) -> NodeTracking | None:
     """Export the run's ids to the ranks' environment and prepare the system-metrics thread
     (``NodeTracking.start_sampler()`` starts it, after the ranks are forked).
@@ -86,8 +90,13 @@ def setup(launch: dict, run: RunDir, node_rank: int) -> NodeTracking | None:
         if interval:
             from .system import SystemMetricsLogger
             nproc = int((launch.get("spec") or {}).get("nproc_per_node") or 0) or None
+            # The caller shares this run directory (a local run): samples the agent could not
+            # log before it exits go to the caller there. Nodes of a Ray run log their own.
+            shared = bool((launch.get("tracking") or {}).get("pending"))
+            handoff = run.path / handoff_name(node_rank) if shared else None
             logger = SystemMetricsLogger(info["run_id"], info["tracking_uri"], node_rank,
-                                         float(interval), nproc=nproc, log=_log)
+                                         float(interval), nproc=nproc, log=_log,
+                                         handoff=handoff)
         return NodeTracking(info, logger)
     except Exception as e:  # noqa: BLE001
         _log(f"disabled on this node: {type(e).__name__}: {e}")

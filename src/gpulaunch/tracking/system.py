@@ -112,18 +112,30 @@ class SystemMetricsLogger:
 
     The first sample is taken at once and the last one at ``stop()``, so even a short run has
     a point at each end. A failing store is reported once and retried at the next sample;
-    ``stop()`` waits a bounded time, so a dead store never holds the agent."""
+    ``stop()`` waits a bounded time, so a dead store never holds the agent.
+
+    Importing MLflow takes this process 1-2 s, which would be the whole cost of tracking a
+    short launch if the agent had to wait for it before exiting. So samples taken before the
+    client exists are kept, and when ``handoff`` (a file in a run directory the caller reads)
+    is given and the client is still not ready at ``stop()``, they are written there for the
+    caller to log, and the agent goes on at once."""
 
     def __init__(self, run_id: str, tracking_uri: str, node_rank: int, interval: float, *,
-                 nproc: int | None = None, log=None):
+                 nproc: int | None = None, log=None, handoff=None):
         self.run_id = run_id
         self.tracking_uri = tracking_uri
         self.node_rank = node_rank
         self.interval = max(0.2, float(interval))
         self.nproc = nproc
         self.log = log or (lambda msg: None)
+        self.handoff = handoff
         self.samples = 0
+        self.handed_off = False
         self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._sampler: NodeSampler | None = None
+        self._pending: list[tuple[int, int, dict]] = []   # (ms, step, values) not yet logged
+        self._client_ready = False
         self._thread = threading.Thread(target=self._loop, name="gpulaunch-system-metrics",
                                         daemon=True)
         self._warned = False
@@ -136,38 +148,87 @@ class SystemMetricsLogger:
         self._thread.start()
         return self
 
+    def _take(self, step: int) -> tuple[int, int, dict]:
+        return int(time.time() * 1000), step, self._sampler.sample()
+
     def _loop(self) -> None:
         try:
             sampler = NodeSampler(self.node_rank, nproc=self.nproc)
             if sampler.gpu_error:
                 self.log(f"no GPU system metrics ({sampler.gpu_error})")
+            with self._lock:
+                self._sampler = sampler
+                if self.handed_off:
+                    return
+                self._pending.append(self._take(0))
             from mlflow.entities import Metric
             from mlflow.tracking import MlflowClient
             client = MlflowClient(self.tracking_uri)
         except Exception as e:  # noqa: BLE001
             self.log(f"system metrics disabled: {type(e).__name__}: {e}")
             return
-        step = 0
+        with self._lock:
+            if self.handed_off:         # stop() gave the samples to the caller meanwhile
+                return
+            self._client_ready = True
+            backlog, self._pending = self._pending, []
+        step = len(backlog)
+        for ms, st, values in backlog:
+            self._log_batch(client, Metric, ms, st, values)
         while True:
             stopping = self._stop.is_set()
-            try:
-                now = int(time.time() * 1000)
-                values = sampler.sample()
-                client.log_batch(self.run_id, metrics=[Metric(k, v, now, step)
-                                                       for k, v in values.items()])
-                self.samples += 1
+            if stopping or not backlog:
+                self._log_batch(client, Metric, *self._take(step))
                 step += 1
-            except Exception as e:  # noqa: BLE001
-                if not self._warned:
-                    self._warned = True
-                    self.log(f"logging system metrics failed (will retry): "
-                             f"{type(e).__name__}: {e}")
+            backlog = []
             if stopping or self._stop.wait(self.interval):
                 if not stopping:
                     continue        # one last sample after stop()
                 return
 
+    def _log_batch(self, client, Metric, ms: int, step: int, values: dict) -> None:
+        try:
+            client.log_batch(self.run_id, metrics=[Metric(k, v, ms, step)
+                                                   for k, v in values.items()])
+            self.samples += 1
+        except Exception as e:  # noqa: BLE001
+            if not self._warned:
+                self._warned = True
+                self.log(f"logging system metrics failed (will retry): "
+                         f"{type(e).__name__}: {e}")
+
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
+        if self.handoff is not None and self._hand_off():
+            return
         if self._thread.is_alive():
             self._thread.join(timeout)
+
+    def _hand_off(self) -> bool:
+        """If the client is not ready yet: the samples so far plus a last one go to the caller
+        through ``handoff``; the thread drops its own. True if handed off."""
+        with self._lock:
+            if self._client_ready:
+                return False
+            self.handed_off = True
+            samples = list(self._pending)
+            if self._sampler is None:        # the thread has not even sampled yet
+                try:
+                    self._sampler = NodeSampler(self.node_rank, nproc=self.nproc)
+                except Exception:  # noqa: BLE001
+                    pass
+            if self._sampler is not None:
+                try:
+                    samples.append(self._take(len(samples)))
+                except Exception:  # noqa: BLE001
+                    pass
+        if not samples:
+            return True
+        from ..launch.rundir import write_json_atomic
+        try:
+            write_json_atomic(self.handoff, {"run_id": self.run_id, "samples": [
+                {"timestamp": ms, "step": st, "values": values} for ms, st, values in samples]})
+            self.samples += len(samples)
+        except OSError as e:
+            self.log(f"could not hand system metrics to the caller: {e}")
+        return True
