@@ -37,19 +37,6 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _batches(cfg, steps, batch, seq, device):
-    import torch
-
-    out = []
-    for step in range(steps):
-        g = torch.Generator().manual_seed(10_000 + step)
-        start = torch.randint(0, cfg.vocab_size, (batch, 1), generator=g)
-        stride = torch.randint(1, 8, (batch, 1), generator=g)
-        s = (start + stride * torch.arange(seq + 1)) % cfg.vocab_size
-        out.append((s[:, :-1].to(device), s[:, 1:].to(device)))
-    return out
-
-
 def run_one(label: str, args) -> dict:
     """Runs inside the per-strategy subprocess. ``label`` is a strategy, or ``single#2`` for a second
     run of the reference (its distance to the first is the run-to-run noise of this GPU's kernels)."""
@@ -94,7 +81,8 @@ def run_one(label: str, args) -> dict:
     with torch.device(device):
         model = Llama(cfg)
     n_params = sum(p.numel() for p in model.parameters())
-    batches = _batches(cfg, args.steps, args.batch, args.seq, device)
+    from gpu_throughput import batches as make_batches  # bench/: the same token batches
+    batches = make_batches(cfg, args.steps, args.batch, args.seq, device)
 
     def opt_factory(params):
         return torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0, fused=False, foreach=True)

@@ -172,19 +172,19 @@ class SystemMetricsLogger:
                 return
             self._client_ready = True
             backlog, self._pending = self._pending, []
-        step = len(backlog)
         for ms, st, values in backlog:
             self._log_batch(client, Metric, ms, st, values)
+        step = len(backlog)
+        take_now = not backlog      # a backlog ends with a fresh sample: wait an interval first
         while True:
             stopping = self._stop.is_set()
-            if stopping or not backlog:
+            if take_now or stopping:
                 self._log_batch(client, Metric, *self._take(step))
                 step += 1
-            backlog = []
-            if stopping or self._stop.wait(self.interval):
-                if not stopping:
-                    continue        # one last sample after stop()
+            take_now = True
+            if stopping:
                 return
+            self._stop.wait(self.interval)   # woken early by stop(): one last sample, then out
 
     def _log_batch(self, client, Metric, ms: int, step: int, values: dict) -> None:
         try:

@@ -36,6 +36,17 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
+def step_until_done(step, poll: float, timeout: float | None) -> bool:
+    """Call a run's ``step()`` every ``poll`` s until it reports the end (True), or until
+    ``timeout`` s have passed (False; the run goes on). Local and Ray runs alike."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while not step():
+        if end is not None and time.monotonic() > end:
+            return False
+        time.sleep(poll)
+    return True
+
+
 @dataclasses.dataclass(frozen=True)
 class NodePlacement:
     """Where this host's agent sits in the job. The default is a single host, everything on
@@ -132,12 +143,7 @@ class LocalRun:
             return False
 
     def wait(self, poll: float = 0.1, timeout: float | None = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self.step():
-            if end is not None and time.monotonic() > end:
-                return False
-            time.sleep(poll)
-        return True
+        return step_until_done(self.step, poll, timeout)
 
     def stop(self, reason: str) -> None:
         """Stop every process of the run: SIGTERM the agent (it stops the ranks with the

@@ -27,7 +27,7 @@ from ...launch.logstream import LogStreamer
 from ...launch.report import raise_for_run
 from ...launch.rundir import RunDir, hostname, write_json_atomic
 from ...launch.spec import LaunchSpec
-from ..local.launcher import _ACTIVE   # runs stopped at interpreter exit: local and Ray alike
+from ..local.launcher import _ACTIVE, step_until_done   # shared with local runs
 from . import placement
 from .cluster import RayCluster, _has_local_paths, connect
 from .node_agent import NodeAgent
@@ -233,12 +233,7 @@ class RayRun:
             return False
 
     def wait(self, poll: float = POLL_INTERVAL, timeout: float | None = None) -> bool:
-        end = None if timeout is None else time.monotonic() + timeout
-        while not self.step():
-            if end is not None and time.monotonic() > end:
-                return False
-            time.sleep(poll)
-        return True
+        return step_until_done(self.step, poll, timeout)
 
     def stop(self, reason: str) -> None:
         with self._lock:
