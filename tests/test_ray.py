@@ -279,8 +279,11 @@ def _ddp_loss(steps: int = 30) -> float:
 
 @pytest.mark.slow
 def test_ddp_on_two_nodes_matches_one_host_with_the_same_world_size(cluster):
-    two_nodes = distributed(gpus=4, remote=True, stream_logs="none")(_ddp_loss).distributed()
-    one_host = distributed(gpus=4, stream_logs="none")(_ddp_loss).distributed()
+    # bounded, so that a stall fails in a minute with every rank's stack (HangError), not
+    # silently at pytest's timeout
+    bounds = dict(stream_logs="none", timeout=BOUND_S, hang_timeout=60)
+    two_nodes = distributed(gpus=4, remote=True, **bounds)(_ddp_loss).distributed()
+    one_host = distributed(gpus=4, **bounds)(_ddp_loss).distributed()
     assert two_nodes == pytest.approx(one_host, rel=1e-6, abs=1e-7)
 
 
