@@ -77,3 +77,12 @@ def python_env(extra: dict | None = None) -> dict:
 
 
 PY = sys.executable
+
+
+@pytest.hookimpl(wrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item, call):
+    """Keep each phase's report on the test item (``item.rep_call``), so a fixture's teardown
+    can tell whether the test itself passed."""
+    rep = yield
+    setattr(item, f"rep_{rep.when}", rep)
+    return rep

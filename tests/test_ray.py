@@ -19,7 +19,7 @@ ray = pytest.importorskip("ray")
 from gpulaunch import NodeLostError, RayCluster, distributed, runtime as rt  # noqa: E402
 from gpulaunch.backends.ray.driver import ray_launch  # noqa: E402
 from gpulaunch.errors import (GPUTypeError, GPUValidationError, HangError,  # noqa: E402
-                              RunCancelledError, ConfigurationError)
+                              LaunchError, RunCancelledError, ConfigurationError)
 from gpulaunch.launch.rundir import RunDir, read_json  # noqa: E402
 
 from conftest import alive  # noqa: E402
@@ -53,6 +53,25 @@ def cluster(tmp_path_factory):
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture(autouse=True)
+def no_run_outlives_its_test(request):
+    """A run a test leaves going (a failed assertion before its cancel) would hold the
+    cluster's slots and fail every later test with "could not reserve": stop it here, and fail
+    a test that passed while leaving one behind."""
+    from gpulaunch.backends.local.launcher import _ACTIVE
+    yield
+    with _ACTIVE._lock:
+        left = list(_ACTIVE._runs)
+    for run in left:
+        run.stop("cancelled")
+    if left and ray.is_initialized():
+        assert_cluster_free()
+    report = getattr(request.node, "rep_call", None)
+    if left and report is not None and report.passed:
+        pytest.fail(f"the test left {len(left)} run(s) going: "
+                    f"{[r.run.run_id for r in left if r.run is not None]}")
 
 
 def _job_pids(run_dir) -> list[int]:
@@ -227,7 +246,39 @@ def _wait_ready(handle, ranks: int) -> None:
             return
         assert not handle.done(), handle.result()
         time.sleep(0.5)
-    raise AssertionError(f"ranks never got ready:\n{handle.logs()}")
+    text = _where_it_stands(handle)
+    handle.cancel()
+    raise AssertionError(f"ranks never got ready:\n{text}")
+
+
+def _where_it_stands(handle) -> str:
+    """Everything that says where a stuck multi-node job is: the caller's status, and each
+    simulated node's status, agent output, rank logs and (after SIGUSR1) rank stacks."""
+    import glob
+    run = RunDir(handle.run_dir)
+    out = [f"caller status: {run.status()}", f"caller logs:\n{handle.logs()}"]
+    nodes_home = os.path.join(os.environ["GPULAUNCH_HOME"], "ray-nodes")
+    node_dirs = sorted(glob.glob(os.path.join(nodes_home, "*", "runs", run.run_id)))
+    for d in node_dirs:
+        for info in glob.glob(os.path.join(d, "attempt*", "rank*.info.json")):
+            pid = (read_json(info, {}) or {}).get("pid")
+            if pid:
+                try:
+                    os.kill(int(pid), signal.SIGUSR1)    # the worker dumps every thread's stack
+                except ProcessLookupError:
+                    pass
+    time.sleep(1.0)
+    for d in node_dirs:
+        out.append(f"--- node dir {d}: {sorted(os.listdir(d))}")
+        for name in sorted(glob.glob(os.path.join(d, "status*.json")) +
+                           glob.glob(os.path.join(d, "agent.log")) +
+                           glob.glob(os.path.join(d, "attempt*", "rank*"))):
+            if name.endswith((".json", ".log", ".stacks")):
+                try:
+                    out.append(f"{name}:\n{open(name, errors='replace').read()[-3000:]}")
+                except OSError as e:
+                    out.append(f"{name}: {e}")
+    return "\n".join(out)
 
 
 def test_submit_then_cancel_stops_every_node(cluster):
@@ -256,6 +307,75 @@ def test_killing_one_nodes_agent_tears_down_the_job(cluster):
     assert "Node 1" in str(info.value) and "ranks 2-3" in str(info.value)
     assert_job_gone(handle.run_dir, expect_at_least=6 + 2 * NODES)
     assert_cluster_free()
+
+
+def test_losing_the_callers_run_directory_stops_the_job_with_an_error(cluster):
+    """If following a run fails in the caller (here: its run directory is deleted while the
+    ranks run), the handle must not report RUNNING forever with the job still holding the
+    cluster: the ranks are stopped and result() says what happened."""
+    import shutil
+    handle = distributed(gpus=4, remote=True)(_sleep_forever).submit()
+    _wait_ready(handle, 4)
+    pids = _job_pids(handle.run_dir)
+    shutil.rmtree(handle.run_dir)
+    with pytest.raises(LaunchError, match="lost track of run") as info:
+        handle.result(timeout=BOUND_S)
+    assert handle.done() and isinstance(info.value.__cause__, OSError)
+    assert len(pids) >= 4 + 2 * 2
+    deadline = time.monotonic() + 30
+    while alive(pids) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not alive(pids), f"processes of the job survived: {alive(pids)}"
+    assert_cluster_free()
+
+
+DISCONNECTING_DRIVER = '''
+import sys, time
+import ray
+from gpulaunch import distributed, runtime as rt
+from gpulaunch.backends.local.launcher import _ACTIVE
+
+def sleeper():
+    import time, torch, torch.distributed as dist
+    rt.init()
+    dist.all_reduce(torch.ones(1))
+    print("READY", flush=True)
+    time.sleep(600)
+
+h = distributed(gpus=4, cluster=sys.argv[1])(sleeper).submit()
+print("RUN_DIR", h.run_dir, flush=True)
+while h.logs().count("READY") < 4:
+    time.sleep(0.5)
+ray.shutdown()                      # e.g. a notebook cell that tidies up Ray mid-run
+try:
+    h.result(timeout=60)
+except Exception as e:
+    print("RAISED", type(e).__name__, str(e).splitlines()[0], flush=True)
+print("CONNECTED_AGAIN", ray.is_initialized(), "STILL_ACTIVE", len(_ACTIVE._runs), flush=True)
+'''
+
+
+@pytest.mark.slow
+def test_ray_shutdown_mid_run_ends_the_run_without_reconnecting(cluster, tmp_path):
+    """ray.shutdown() in the caller while a job runs: the job ends (Ray stops the actors this
+    driver owned, and with them the ranks), result() says why, and gpulaunch never silently
+    opens a new Ray connection to poll a job that is gone."""
+    import subprocess
+    import sys
+
+    from conftest import python_env
+    script = tmp_path / "driver.py"
+    script.write_text(DISCONNECTING_DRIVER)
+    out = subprocess.run([sys.executable, str(script), cluster.address], env=python_env(),
+                         capture_output=True, text=True, timeout=BOUND_S * 2)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "RAISED LaunchError The connection to the Ray cluster ended" in out.stdout, \
+        out.stdout[-3000:] + out.stderr[-3000:]
+    assert "CONNECTED_AGAIN False STILL_ACTIVE 0" in out.stdout
+    run_dir = next(line.split(None, 1)[1].strip() for line in out.stdout.splitlines()
+                   if line.startswith("RUN_DIR"))
+    assert_job_gone(run_dir, expect_at_least=4 + 2 * 2)
+    assert_cluster_free(60)
 
 
 def _ddp_loss(steps: int = 30) -> float:

@@ -17,7 +17,7 @@ import os
 import sys
 import threading
 
-from .errors import ArgumentError, ConfigurationError
+from .errors import ArgumentError, ConfigurationError, LaunchError
 from .launch import fitcheck, hardware, rundir
 from .launch.logstream import tail_text
 from .launch.payload import DEFAULT_MAX_ARG_BYTES, serialize_call
@@ -35,10 +35,26 @@ class RunHandle:
         self.run_dir = str(run.run.path)
         self._tracker = getattr(run, "tracker", None)
         self._thread = None
+        self._follow_error: BaseException | None = None
         if background:
-            self._thread = threading.Thread(target=run.wait, name=f"gpulaunch-{self.run_id}",
+            self._thread = threading.Thread(target=self._follow, name=f"gpulaunch-{self.run_id}",
                                             daemon=True)
             self._thread.start()
+
+    def _follow(self) -> None:
+        """The background thread: step the run until it ends. If following it fails (a bug of
+        ours, a lost cluster connection), the run must not be left going unobserved with
+        ``done()`` False forever: stop every rank and keep the error for ``result()``."""
+        try:
+            self._run.wait()
+        except BaseException as e:  # noqa: BLE001 - reported by result()
+            self._follow_error = e
+            try:
+                self._run.stop("cancelled")
+            except BaseException:  # noqa: BLE001
+                pass
+            finally:
+                self._run.finished = True
 
     @property
     def status(self) -> str:
@@ -68,6 +84,12 @@ class RunHandle:
         if not self.wait(timeout):
             raise TimeoutError(f"run {self.run_id} still running after {timeout} s "
                                "(this did not stop it; call cancel() to stop it)")
+        if self._follow_error is not None:
+            e = self._follow_error
+            raise LaunchError(
+                f"gpulaunch lost track of run {self.run_id} while following it "
+                f"({type(e).__name__}: {e}); every rank was stopped. Run directory: "
+                f"{self.run_dir}", run_dir=self.run_dir) from e
         return self._run.outcome()
 
     def cancel(self) -> None:

@@ -21,6 +21,7 @@ import json
 import os
 import secrets
 import socket
+import threading
 from pathlib import Path
 
 
@@ -49,7 +50,9 @@ def create(label: str) -> "RunDir":
 
 
 def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    # unique per process *and* thread: two threads of one process (a run's follower and a
+    # cancel() from the caller, a threaded Ray actor) must never share a temporary file
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)

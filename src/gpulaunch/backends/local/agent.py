@@ -220,9 +220,20 @@ def _watch_caller(stop_event: threading.Event) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# Multi-node: after reporting a hang, how long a node agent keeps its ranks alive (stopped in
+# place) so that the caller can have every *other* node dump its ranks' stacks too before it
+# stops the job. A caller that never comes (gone, partitioned) costs this long, then we kill.
+HANG_TEARDOWN_WAIT_S = 20.0
+
+
 def _watch_hangs(run: RunDir, agent: GpulaunchAgent, status: StatusWriter,
-                 stop_event: threading.Event) -> None:
-    """Turn a rank's ``.stuck`` report into stack dumps of all local ranks and a teardown."""
+                 stop_event: threading.Event, nnodes: int = 1) -> None:
+    """Turn a rank's ``.stuck`` report into stack dumps of all local ranks and a teardown.
+
+    On one host the teardown is immediate. In a multi-node job, killing our ranks at once
+    would make the ranks of the other nodes fail on a closed connection before the caller could
+    ask them for their stacks (the very stacks that show who waits for whom): so we report,
+    then leave the teardown to the caller, within ``HANG_TEARDOWN_WAIT_S``."""
     while not stop_event.wait(0.5):
         attempt = status.data.get("attempt", 0)
         stuck = sorted(run.attempt_dir(attempt).glob("rank*.stuck"))
@@ -237,6 +248,8 @@ def _watch_hangs(run: RunDir, agent: GpulaunchAgent, status: StatusWriter,
                                           "where": report.get("where"), "time": time.time(),
                                           "node_rank": status.node_rank})
         status.update(hang=True)
+        if nnodes > 1:
+            stop_event.wait(HANG_TEARDOWN_WAIT_S)
         procutil.kill_process_groups(pids, signal.SIGKILL)
         return
 
@@ -368,7 +381,7 @@ def main(argv: list[str] | None = None) -> int:
         if node_tracking is not None:
             agent.on_first_start = node_tracking.start_sampler
         if spec.get("hang_timeout"):
-            threading.Thread(target=_watch_hangs, args=(run, agent, status, stop_event),
+            threading.Thread(target=_watch_hangs, args=(run, agent, status, stop_event, nnodes),
                              daemon=True).start()
         result = agent.run()
     except SignalException as e:

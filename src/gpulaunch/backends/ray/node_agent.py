@@ -19,6 +19,7 @@ agent stops its ranks, which themselves die with their agent (parent-death signa
 from __future__ import annotations
 
 import os
+import signal
 import socket
 import time
 from pathlib import Path
@@ -165,6 +166,18 @@ class NodeAgent:
         return {"node_rank": self.node_rank, "done": done, "status": status, "files": files,
                 "agent_exit": self.local.proc.poll() if self.local and self.local.proc else None,
                 "agent_tail": _tail(self.run.agent_log) if done else ""}
+
+    def dump_stacks(self) -> list[int]:
+        """Have each of this node's ranks write every thread's Python stack (faulthandler on
+        SIGUSR1, into ``rank<r>.stacks``): another node saw a hang, and the report must show
+        where the ranks here were waiting."""
+        from ...launch import procutil
+        if self.local is None:
+            return []
+        pids = [p for p in self.local.rank_pids() if procutil.pid_alive(p)]
+        procutil.kill_pids(pids, signal.SIGUSR1)
+        time.sleep(1.0)                       # faulthandler writes from a signal handler
+        return pids
 
     def stop(self) -> dict:
         """Stop this node's ranks (SIGTERM, then SIGKILL after the grace period)."""

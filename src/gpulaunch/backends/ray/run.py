@@ -68,6 +68,8 @@ class RayRun:
         self.nodes: list[dict] = []       # info() of each node agent, by node rank
         self.pg = None
         self.lost: dict | None = None     # {"node_rank", "why"} when a node vanished
+        self.disconnected = False         # this process's Ray connection ended mid-run
+        self._stacks_asked = False        # a node reported a hang: every node dumped stacks
         self._lock = threading.RLock()
         self._cursors: list[dict] = []
         self._node_status: list[dict] = []
@@ -211,13 +213,26 @@ class RayRun:
         with self._lock:
             if self.finished:
                 return True
-            self._poll_nodes()
+            if not self._connected():
+                self._finish(None)
+                return True
+            try:
+                self._poll_nodes()
+            except Exception:
+                if self._connected():
+                    raise
+                self._finish(None)        # ray.shutdown() raced with this poll
+                return True
             if "ranks_spawned" not in self.timings and self._node_status and all(
                     (st or {}).get("state") in ("RUNNING",) + _TERMINAL
                     for st in self._node_status):
                 self._mark("ranks_spawned")
             if self.streamer:
                 self.streamer.pump()
+            if not self._stacks_asked and any(s.get("hang") for s in self._node_status):
+                self._dump_every_nodes_stacks()
+                self._finish(None)
+                return True
             failed = [i for i, s in enumerate(self._node_status)
                       if self._node_done[i] and s.get("state") != "SUCCEEDED"]
             if self.lost or failed:
@@ -268,9 +283,22 @@ class RayRun:
                 continue
             self._absorb(i, answer)
 
+    def _dump_every_nodes_stacks(self) -> None:
+        """A node's watchdog declared a hang: before anything is stopped, every other node's
+        ranks write their stacks (the node that saw it already did, and waits for us)."""
+        self._stacks_asked = True
+        refs = [a.dump_stacks.remote() for i, a in enumerate(self.actors)
+                if not self._node_done[i] and not self._node_status[i].get("hang")]
+        if refs:
+            self._ray.wait(refs, num_returns=len(refs), timeout=10)
+
     def _absorb(self, i: int, answer: dict) -> None:
         for rel, (kind, mark, data) in answer["files"].items():
             path = self.run.path / rel
+            if rel == "hang.json" and path.exists():
+                # several nodes' watchdogs may fire; the report names the first one seen
+                self._cursors[i][rel] = mark
+                continue
             path.parent.mkdir(exist_ok=True)
             if kind == "append":
                 with open(path, "ab") as f:
@@ -315,19 +343,34 @@ class RayRun:
             self.lost = {"node_rank": i, "why": why, "time": time.time()}
 
     # ------------------------------------------------------------------ ending
+    def _connected(self) -> bool:
+        """Is this process still connected to the Ray cluster? After ``ray.shutdown()`` (or a
+        lost head) any actor call would silently ``ray.init()`` a *new* connection (Ray's
+        auto-init), to a cluster that may be gone: never do that. The job's actors are owned by
+        this driver, so Ray itself kills them (and with them the ranks) when it disconnects."""
+        if self.disconnected:
+            return False
+        if self._ray is not None and not self._ray.is_initialized():
+            self.disconnected = True
+            return False
+        return True
+
     def _finish(self, reason: str | None) -> None:
         self.reason = self.reason or reason
         self._mark("ended")
-        self._stop_nodes()
-        self._teardown()
+        if self._connected():
+            self._stop_nodes()
+            self._teardown()
         self._mark("torn_down")
         if self.streamer:
             self.streamer.pump(final=True)
         self.finished = True
         _ACTIVE.discard(self)
-        self._write_status(self._final_state())
-        if self.tracker is not None:        # tracking hook: logs, report, final MLflow status
-            self.tracker.end(self.state)
+        try:
+            self._write_status(self._final_state())
+        finally:
+            if self.tracker is not None:    # tracking hook: logs, report, final MLflow status
+                self.tracker.end(self.state)
 
     def _stop_nodes(self) -> None:
         """Stop every node still running, then collect its last files (logs, errors)."""
@@ -359,7 +402,7 @@ class RayRun:
 
     def _teardown(self) -> None:
         ray = self._ray
-        if ray is None:
+        if ray is None or not self._connected():
             return
         for actor in self.actors:
             try:
@@ -408,6 +451,8 @@ class RayRun:
 
     def _final_state(self) -> str:
         states = [s.get("state") for s in self._node_status]
+        if self.disconnected:
+            return "DISCONNECTED"
         if self.lost:
             return "NODE_LOST"
         if states and all(s == "SUCCEEDED" for s in states):
@@ -433,6 +478,12 @@ class RayRun:
         return "SUCCEEDED" if self.run.status().get("state") == "SUCCEEDED" else "FAILED"
 
     def outcome(self) -> list:
+        if self.disconnected and self.reason is None:
+            raise errors.LaunchError(
+                f"The connection to the Ray cluster ended while run {self.run.run_id} was going "
+                f"(ray.shutdown() was called, or the head node went away). The job's node "
+                f"agents belonged to this connection, so Ray stopped them with it. Run "
+                f"directory: {self.run.path}", run_dir=str(self.run.path))
         if self.lost and self.reason is None:
             raise self._lost_error()
         try:
