@@ -10,6 +10,9 @@ per launcher and worker count:
 Launchers (``--launchers``, default all):
 
     api          gpulaunch ``fn.distributed()`` from a Python process that imported gpulaunch
+    api_warm     the same process's second ``fn.distributed()`` (a notebook running the cell
+                 again): the first call is untimed, then the clock starts once the standby
+                 agent it left (torch imported) is ready
     api_spawn    the same with ``GPULAUNCH_START_METHOD=spawn`` (ranks are fresh interpreters,
                  as before the fork start; shows what the fork start saves)
     cli          ``gpulaunch run --gpus N script.py`` (a fresh command, interpreter start included)
@@ -56,10 +59,11 @@ from pathlib import Path
 from _proc import exit_on_sigterm, run_group  # bench/_proc.py
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = ["api", "api_spawn", "cli", "torchrun", "elastic", "elastic_fork", "accelerate", "ray_warm", "ray_warm2",
+ALL = ["api", "api_warm", "api_spawn", "cli", "torchrun", "elastic", "elastic_fork", "accelerate", "ray_warm", "ray_warm2",
        "ray_cold"]
 LABELS = {
     "api": "gpulaunch `.distributed()`",
+    "api_warm": "gpulaunch `.distributed()`, 2nd call (standby agent)",
     "api_spawn": "gpulaunch `.distributed()`, `GPULAUNCH_START_METHOD=spawn`",
     "cli": "`gpulaunch run` (CLI)",
     "torchrun": "`torchrun`",
@@ -147,17 +151,24 @@ def _gpulaunch_phases(t0: float, t_end: float) -> dict:
           "last_result_written": max(p.stat().st_mtime for p in results) - t0,
           "agent_ended": status.get("ended", float("nan")) - t0,
           "returned": t_end - t0}
-    return {k: round(v, 4) for k, v in ph.items()}
+    return {**{k: round(v, 4) for k, v in ph.items()}, "warm_start": bool(status.get("warm_start"))}
 
 
 def measure_one(launcher: str, n: int, stamp_dir: str, script: str) -> dict:
     """Runs in its own process. Imports first (untimed), then times the launch."""
     extra: dict = {}
-    if launcher in ("api", "api_spawn"):
+    if launcher in ("api", "api_warm", "api_spawn"):
         if launcher == "api_spawn":
             os.environ["GPULAUNCH_START_METHOD"] = "spawn"
         from gpulaunch import distributed
         fn = distributed(gpus=n, stream_logs="none")(empty_fn)
+        if launcher == "api_warm":
+            from gpulaunch.backends.local.standby import STANDBY
+            first = tempfile.mkdtemp(prefix="stamps-")
+            fn.distributed(first)             # untimed: the call that leaves a standby agent
+            shutil.rmtree(first, ignore_errors=True)
+            if not STANDBY.wait_ready(120):
+                raise RuntimeError("no standby agent got ready after the first call")
         t0 = time.time()
         out = fn.distributed(stamp_dir)
         t1 = time.time()
@@ -346,7 +357,7 @@ def report(results: dict, meta: dict, out: Path) -> str:
             "agent_ended", "returned"]
     rows = []
     for n, per in results.items():
-        for name in ("api", "api_spawn"):
+        for name in ("api", "api_warm", "api_spawn"):
             ps = [r["phases"] for r in per.get(name, []) if "phases" in r]
             if ps:
                 rows.append(f"| {n} | {name} | " + " | ".join(

@@ -29,10 +29,12 @@ def _run(script: str, *args: str, out: Path, timeout: float = 300) -> subprocess
 
 
 def test_launch_overhead_smoke(tmp_path):
-    _run("launch_overhead.py", "--workers", "2", "--reps", "1", "--launchers", "api,torchrun",
-         out=tmp_path)
+    _run("launch_overhead.py", "--workers", "2", "--reps", "1", "--launchers",
+         "api,api_warm,torchrun", out=tmp_path)
     data = json.loads((tmp_path / "launch_overhead.json").read_text())
-    for name in ("api", "torchrun"):
+    assert data["results"]["2"]["api_warm"][0]["phases"]["warm_start"] is True
+    assert data["results"]["2"]["api"][0]["phases"]["warm_start"] is False
+    for name in ("api", "api_warm", "torchrun"):
         (r,) = data["results"]["2"][name]
         assert "error" not in r, r
         # every rank stamped after its all_reduce, after the call and before it returned

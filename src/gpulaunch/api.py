@@ -261,7 +261,7 @@ class DistributedFunction:
         tracker = _begin_tracking(self.tracking, run, label=self.__name__, spec=spec, entry=entry)
         from .backends.local.launcher import LocalRun
         return LocalRun(spec, run, entry, label=self.__name__, stream=stream,
-                        tracker=tracker).start()
+                        tracker=tracker, standby=True).start()
 
     def __repr__(self) -> str:
         return (f"<DistributedFunction {self.__name__} gpus={self.gpus} "

@@ -36,6 +36,7 @@ from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 from ...launch import procutil, worker
 from ...launch.rundir import RunDir, read_json, write_json_atomic
 from .rendezvous import BoundStaticRendezvous
+from .standby import STARTUP_ENV_PREFIXES
 
 log = logging.getLogger("gpulaunch.agent")
 
@@ -296,11 +297,6 @@ def _wait_for_port(path: Path, timeout: float = 600.0) -> int:
     raise TimeoutError(f"node 0's rendezvous port did not arrive in {path} within {timeout:g} s")
 
 
-# Variables that only take effect when an interpreter (or a library at load time) starts: a
-# forked rank would silently not see them if the user set them through ``env=``.
-_STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_",
-                         "PYTORCH_")
-
 
 def choose_start_method(spec: dict) -> tuple[str, str]:
     """fork (fast: ranks inherit our imported torch) unless something makes it unsafe.
@@ -319,7 +315,7 @@ def choose_start_method(spec: dict) -> tuple[str, str]:
     import torch
     if torch.cuda.is_initialized():
         return "spawn", "CUDA was initialised in the agent"
-    startup = sorted(k for k, _ in spec.get("env", []) if k.startswith(_STARTUP_ENV_PREFIXES))
+    startup = sorted(k for k, _ in spec.get("env", []) if k.startswith(STARTUP_ENV_PREFIXES))
     if startup:
         return "spawn", f"env= sets variables read at interpreter start: {', '.join(startup)}"
     return "fork", "default"
@@ -330,6 +326,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run_dir")
     p.add_argument("--node-rank", type=int, default=0)
     p.add_argument("--watch-stdin", action="store_true")
+    p.add_argument("--warm", action="store_true", help="started ahead as a standby agent")
     a = p.parse_args(argv)
 
     run = RunDir(a.run_dir)
@@ -342,6 +339,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.getLogger("torch.distributed.elastic").setLevel(logging.ERROR)
 
     status = StatusWriter(run, node_rank)
+    status.update(warm_start=a.warm)
     stop_event = threading.Event()
     if a.watch_stdin:
         threading.Thread(target=_watch_caller, args=(stop_event,), daemon=True).start()
@@ -409,10 +407,11 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    code = main()
-    # Everything of the run is over and recorded: skip the interpreter's teardown of torch
-    # (up to seconds on a loaded machine, all of it on the caller's wait).
+def run_and_exit(argv: list[str] | None = None) -> None:
+    """``main``, then leave without the interpreter's teardown of torch: everything of the run
+    is over and recorded, and that teardown (up to seconds on a loaded machine) would all be on
+    the caller's wait. Also the end of a standby agent (``standby.py``)."""
+    code = main(argv)
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
@@ -420,3 +419,7 @@ if __name__ == "__main__":
         except Exception:  # noqa: BLE001
             pass
     os._exit(code)
+
+
+if __name__ == "__main__":
+    run_and_exit()

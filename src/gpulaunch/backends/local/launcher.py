@@ -21,6 +21,7 @@ from ...launch import procutil, report
 from ...launch.logstream import LogStreamer
 from ...launch.rundir import RunDir, hostname, read_json, write_json_atomic
 from ...launch.spec import LaunchSpec
+from .standby import STANDBY
 
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding "gpulaunch/"
 
@@ -73,9 +74,14 @@ class LocalRun:
 
     def __init__(self, spec: LaunchSpec, run: RunDir, entry: dict, *, label: str,
                  stream: bool = True, write=None, node: "NodePlacement | None" = None, tracker=None,
-                 tracking_fields: dict | None = None):
+                 tracking_fields: dict | None = None, standby: bool = False):
         self.spec = spec
         self.node = node or NodePlacement()
+        # Use (and afterwards restart) a standby agent with torch imported (standby.py): for
+        # callers that launch again and again (notebooks, the Python API), never for a node of
+        # a multi-node job or a one-shot CLI launch.
+        self.standby = standby and node is None
+        self.warm_start = False             # this run's agent was a standby
         self.run = run
         self.entry = entry
         self.label = label
@@ -115,12 +121,17 @@ class LocalRun:
         elif self.tracking_fields:
             launch["tracking"] = self.tracking_fields
         write_json_atomic(self.run.launch_json, launch)
-        with open(self.run.agent_log, "wb") as agent_log:
-            self.proc = subprocess.Popen(
-                [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
-                 "--node-rank", str(self.node.node_rank), "--watch-stdin"],
-                stdin=subprocess.PIPE, stdout=agent_log, stderr=subprocess.STDOUT,
-                start_new_session=True, env=child_env(), close_fds=True)
+        env = child_env()
+        if self.standby:
+            self.proc = STANDBY.take(str(self.run.path), env, os.getcwd())
+            self.warm_start = self.proc is not None
+        if self.proc is None:
+            with open(self.run.agent_log, "wb") as agent_log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
+                     "--node-rank", str(self.node.node_rank), "--watch-stdin"],
+                    stdin=subprocess.PIPE, stdout=agent_log, stderr=subprocess.STDOUT,
+                    start_new_session=True, env=env, close_fds=True)
         if self.spec.timeout is not None:
             self._deadline = time.monotonic() + self.spec.timeout
         _ACTIVE.add(self)
@@ -177,6 +188,8 @@ class LocalRun:
         self.kill_leftovers()
         if self.tracker is not None:        # tracking hook: logs, report, final MLflow status
             self.tracker.end(self.state)
+        if self.standby:
+            STANDBY.replenish(child_env())  # the next run's agent, importing torch meanwhile
 
     def kill_leftovers(self) -> list[int]:
         """Any rank (or a rank's child) still alive after its agent ended is killed now."""

@@ -1,0 +1,228 @@
+"""A standby agent: the next run's agent process, started ahead with torch already imported.
+
+Almost all of a local launch's cost is the agent's interpreter importing torch (1-2 s on an
+idle laptop, 4-5 s on a GPU host; the forked ranks inherit it). Fork launchers that run inside
+the caller (Accelerate's ``notebook_launcher``, ``elastic_launch`` with fork) do not pay it,
+but they put the agent's signal handlers, store and child processes into the user's notebook
+kernel, which gpulaunch will not do. So after a run ends, the caller starts the *next* agent
+right away, and it waits, with torch imported, until a run comes:
+
+    caller                                   standby process
+    ------                                   ---------------
+    run 1 ends -> replenish() ------------>  import torch + the agent; wait on stdin
+    run 2: take() writes one JSON line --->  {"run_dir", "env", "cwd"}: apply env and cwd,
+                                             send output to run_dir/agent.log, run the agent
+    (stdin stays open: EOF = caller died)    (EOF before a request: exit quietly)
+
+A process that launches once pays nothing extra (the standby is started only when a run ends)
+and one that launches again starts warm. The standby's environment is the caller's at the
+moment of the request, applied before the agent reads anything, except for what an
+interpreter or torch reads while starting up (``STARTUP_ENV_PREFIXES``): if one of those
+changed since the standby started, it is discarded and the run starts cold, as before.
+
+It is never used for a node of a multi-node run or by ``gpulaunch run`` (one launch per
+process), and ``GPULAUNCH_STANDBY=0`` turns it off. An idle standby costs one process with
+torch imported (~0.3-0.5 GB resident, no GPU memory: the agent never touches a GPU).
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import subprocess
+import sys
+import threading
+
+ENV_SWITCH = "GPULAUNCH_STANDBY"
+ACK_TIMEOUT_S = 10.0     # a live standby acknowledges a run within milliseconds
+
+# Variables that only take effect when an interpreter (or a library at load time) starts; a
+# process started earlier would silently not see a new value. (The agent uses the same list to
+# choose spawn over fork for ranks whose env= sets one.)
+STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_",
+                        "PYTORCH_")
+
+
+def enabled() -> bool:
+    return os.environ.get(ENV_SWITCH, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+def _startup_env(env: dict[str, str]) -> dict[str, str]:
+    return {k: v for k, v in env.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+
+
+class StandbyAgent:
+    """The caller's side: at most one standby agent per caller process."""
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._proc: subprocess.Popen | None = None
+        self._startup: dict[str, str] = {}
+        self._ready = False
+
+    def replenish(self, env: dict[str, str]) -> None:
+        """Start a standby agent now (after a run ended), unless one is waiting already."""
+        if not enabled():
+            return
+        with self._lock:
+            if self._proc is not None and self._proc.poll() is None:
+                return
+            try:
+                self._proc = subprocess.Popen(
+                    [sys.executable, "-m", "gpulaunch.backends.local.standby"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                    start_new_session=True, env=env, close_fds=True,
+                    bufsize=0)   # unbuffered: select() on the pipe must see every line
+            except OSError:
+                self._proc = None          # no standby: the next run starts cold, as before
+                return
+            self._startup = _startup_env(env)
+            self._ready = False
+
+    def take(self, run_dir: str, env: dict[str, str], cwd: str) -> subprocess.Popen | None:
+        """Hand a run to the standby agent; its process, or None (start one cold)."""
+        with self._lock:
+            proc, self._proc = self._proc, None
+            startup, self._startup = self._startup, {}
+        if proc is None:
+            return None
+        if proc.poll() is not None or not enabled() or _startup_env(env) != startup:
+            _discard(proc)
+            return None
+        request = (json.dumps({"run_dir": run_dir, "env": env, "cwd": cwd}) + "\n").encode()
+        try:
+            view = memoryview(request)
+            while view:
+                view = view[os.write(proc.stdin.fileno(), view):]
+        except (BrokenPipeError, OSError, ValueError):
+            _discard(proc)
+            return None
+        # The standby acknowledges from a thread of its own at once (even while importing).
+        # No acknowledgement: it died or is stuck; the run starts cold instead.
+        if not _read_until(proc, b"ack\n", ACK_TIMEOUT_S):
+            _discard(proc)
+            return None
+        _close_quietly(proc.stdout)
+        return proc
+
+    def wait_ready(self, timeout: float) -> bool:
+        """True once the waiting standby has imported torch and the agent (it says so with one
+        line on its stdout); False if there is none or it is not ready within ``timeout`` s."""
+        import select
+        with self._lock:
+            proc, ready = self._proc, self._ready
+            if proc is None or proc.poll() is not None:
+                return False
+            if not ready:
+                self._ready = _read_until(proc, b"ready\n", timeout)
+            return self._ready
+
+    def close(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None:
+            _discard(proc)
+
+    def pid(self) -> int | None:
+        """The waiting standby's pid (None when there is none): for tests and ``doctor``."""
+        with self._lock:
+            proc = self._proc
+        return proc.pid if proc is not None and proc.poll() is None else None
+
+
+def _read_until(proc: subprocess.Popen, line: bytes, timeout: float) -> bool:
+    """Read the standby's stdout lines until ``line`` comes (True) or ``timeout`` s pass."""
+    import select
+    import time
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return False
+            readable, _, _ = select.select([proc.stdout], [], [], left)
+            if not readable:
+                return False
+            got = proc.stdout.readline()
+            if not got:                       # EOF: it exited
+                return False
+            if got == line:
+                return True
+    except (OSError, ValueError):
+        return False
+
+
+def _close_quietly(f) -> None:
+    try:
+        if f is not None:
+            f.close()
+    except OSError:
+        pass
+
+
+def _discard(proc: subprocess.Popen) -> None:
+    _close_quietly(proc.stdout)
+    _close_quietly(proc.stdin)         # EOF: a waiting standby exits by itself...
+    try:
+        proc.kill()                    # ...but do not wait for it to finish importing torch
+        proc.wait(5)
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+
+
+STANDBY = StandbyAgent()
+atexit.register(STANDBY.close)
+
+
+# ------------------------------------------------------------------ the standby process
+def _read_request(got: threading.Event, box: list) -> None:
+    """Read the one request line from stdin, without reading past it: after it, stdin belongs
+    to the agent's caller-death watch. EOF first (the caller ended or discarded us): exit."""
+    data = b""
+    try:
+        while not data.endswith(b"\n"):
+            chunk = os.read(0, 1 << 16)
+            if not chunk:
+                os._exit(0)
+            data += chunk
+    except OSError:
+        os._exit(0)
+    box.append(json.loads(data))
+    try:
+        os.write(1, b"ack\n")
+    except OSError:
+        pass
+    got.set()
+
+
+def _serve() -> None:
+    # Start listening before the slow imports, so that a caller that exits while we import
+    # torch does not leave us running for seconds.
+    got, box = threading.Event(), []
+    threading.Thread(target=_read_request, args=(got, box), daemon=True).start()
+    start_cwd = os.getcwd()
+    from . import agent                  # torch, torchelastic, the worker: the point of it all
+    try:
+        os.write(1, b"ready\n")         # for wait_ready(); fd 1 becomes the run's log below
+    except OSError:
+        pass
+    got.wait()
+    request = box[0]
+    os.environ.clear()
+    os.environ.update(request["env"])
+    cwd = request["cwd"]
+    if cwd != start_cwd:
+        os.chdir(cwd)
+        if sys.path and sys.path[0] == start_cwd:   # `python -m` put the start directory first
+            sys.path[0] = cwd
+    log = os.open(os.path.join(request["run_dir"], "agent.log"),
+                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(log, 1)
+    os.dup2(log, 2)
+    os.close(log)
+    agent.run_and_exit([request["run_dir"], "--node-rank", "0", "--watch-stdin", "--warm"])
+
+
+if __name__ == "__main__":
+    _serve()
