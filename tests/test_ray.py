@@ -329,7 +329,9 @@ def test_losing_the_callers_run_directory_stops_the_job_with_an_error(cluster):
     assert_cluster_free()
 
 
-DISCONNECTING_DRIVER = '''
+# A driver script (argv[1]: the cluster address) whose 4 ranks on the cluster sleep once ready;
+# each test appends what the driver does next.
+READY_DRIVER = '''
 import sys, time
 import ray
 from gpulaunch import distributed, runtime as rt
@@ -346,6 +348,9 @@ h = distributed(gpus=4, cluster=sys.argv[1])(sleeper).submit()
 print("RUN_DIR", h.run_dir, flush=True)
 while h.logs().count("READY") < 4:
     time.sleep(0.5)
+'''
+
+DISCONNECTING_DRIVER = READY_DRIVER + '''
 ray.shutdown()                      # e.g. a notebook cell that tidies up Ray mid-run
 try:
     h.result(timeout=60)
@@ -608,21 +613,7 @@ def test_second_driver_ships_its_working_dir_and_env_vars_through_ray(cluster, t
     assert out.stdout.count("'shipped'") == 4
 
 
-KILLED_DRIVER = '''
-import sys, time
-from gpulaunch import distributed, runtime as rt
-
-def sleeper():
-    import time, torch, torch.distributed as dist
-    rt.init()
-    dist.all_reduce(torch.ones(1))
-    print("READY", flush=True)
-    time.sleep(600)
-
-h = distributed(gpus=4, cluster=sys.argv[1])(sleeper).submit()
-print("RUN_DIR", h.run_dir, flush=True)
-while h.logs().count("READY") < 4:
-    time.sleep(0.5)
+KILLED_DRIVER = READY_DRIVER + '''
 print("ALL_READY", flush=True)
 time.sleep(600)
 '''
