@@ -309,18 +309,43 @@ def test_killing_one_nodes_agent_tears_down_the_job(cluster):
     assert_cluster_free()
 
 
-def test_losing_the_callers_run_directory_stops_the_job_with_an_error(cluster):
+@pytest.mark.parametrize("call", ["submit", "distributed"])
+def test_losing_the_callers_run_directory_stops_the_job_with_an_error(cluster, gpulaunch_home,
+                                                                       call):
     """If following a run fails in the caller (here: its run directory is deleted while the
     ranks run), the handle must not report RUNNING forever with the job still holding the
-    cluster: the ranks are stopped and result() says what happened."""
+    cluster, nor .distributed() hang: the ranks are stopped and the caller is told."""
     import shutil
-    handle = distributed(gpus=4, remote=True)(_sleep_forever).submit()
-    _wait_ready(handle, 4)
-    pids = _job_pids(handle.run_dir)
-    shutil.rmtree(handle.run_dir)
-    with pytest.raises(LaunchError, match="lost track of run") as info:
-        handle.result(timeout=BOUND_S)
-    assert handle.done() and isinstance(info.value.__cause__, OSError)
+    import threading
+    fn = distributed(gpus=4, remote=True, stream_logs="none")(_sleep_forever)
+    seen = {}
+
+    def delete_once_ready(run_dir_of):
+        deadline = time.monotonic() + BOUND_S
+        while time.monotonic() < deadline:
+            run_dir = run_dir_of()
+            logs = run_dir and RunDir(run_dir).attempt_dir(0).glob("rank*.log")
+            if logs and sum(p.read_text().count("READY") for p in logs) >= 4:
+                seen["pids"] = _job_pids(run_dir)
+                shutil.rmtree(run_dir)
+                return
+            time.sleep(0.3)
+
+    if call == "submit":
+        handle = fn.submit()
+        delete_once_ready(lambda: handle.run_dir)
+        with pytest.raises(LaunchError, match="lost track of run") as info:
+            handle.result(timeout=BOUND_S)
+        assert handle.done()
+    else:
+        def newest():
+            runs = sorted((gpulaunch_home / "runs").glob("*"), key=lambda p: p.stat().st_mtime)
+            return str(runs[-1]) if runs else None
+        threading.Thread(target=delete_once_ready, args=(newest,), daemon=True).start()
+        with pytest.raises(LaunchError, match="lost track of run") as info:
+            fn.distributed()
+    assert isinstance(info.value.__cause__, OSError)
+    pids = seen["pids"]
     assert len(pids) >= 4 + 2 * 2
     deadline = time.monotonic() + 30
     while alive(pids) and time.monotonic() < deadline:

@@ -26,6 +26,24 @@ from .launch.spec import DEFAULT_SHUTDOWN_GRACE, DEFAULT_TIMEOUT, LaunchSpec, re
 _UNSET = object()
 
 
+def _stop_quietly(run) -> None:
+    """Stop a run whose following failed. Stopping may hit the same fault (a deleted run
+    directory, a lost connection) once the ranks are signalled; the caller gets the first."""
+    try:
+        run.stop("cancelled")
+    except Exception:  # noqa: BLE001
+        pass
+    finally:
+        run.finished = True
+
+
+def _lost_track(run_id: str, run_dir: str, e: BaseException) -> LaunchError:
+    """The error for a run whose following failed in the caller (not in a rank)."""
+    return LaunchError(f"gpulaunch lost track of run {run_id} while following it "
+                       f"({type(e).__name__}: {e}); every rank was stopped. Run directory: "
+                       f"{run_dir}", run_dir=run_dir)
+
+
 class RunHandle:
     """A run in flight: ``status``, ``result()``, ``logs()``, ``cancel()``, ``run_dir``."""
 
@@ -49,12 +67,7 @@ class RunHandle:
             self._run.wait()
         except BaseException as e:  # noqa: BLE001 - reported by result()
             self._follow_error = e
-            try:
-                self._run.stop("cancelled")
-            except BaseException:  # noqa: BLE001
-                pass
-            finally:
-                self._run.finished = True
+            _stop_quietly(self._run)
 
     @property
     def status(self) -> str:
@@ -86,10 +99,7 @@ class RunHandle:
                                "(this did not stop it; call cancel() to stop it)")
         if self._follow_error is not None:
             e = self._follow_error
-            raise LaunchError(
-                f"gpulaunch lost track of run {self.run_id} while following it "
-                f"({type(e).__name__}: {e}); every rank was stopped. Run directory: "
-                f"{self.run_dir}", run_dir=self.run_dir) from e
+            raise _lost_track(self.run_id, self.run_dir, e) from e
         return self._run.outcome()
 
     def cancel(self) -> None:
@@ -229,7 +239,10 @@ class DistributedFunction:
         run = self._start(args, kwargs, stream=self.stream_logs != "none")
         try:
             run.wait()
-        except BaseException:  # KeyboardInterrupt, or anything else that stops the caller
+        except Exception as e:  # following the run failed (not the run): same as submit()
+            _stop_quietly(run)
+            raise _lost_track(run.run.run_id, str(run.run.path), e) from e
+        except BaseException:  # KeyboardInterrupt / a notebook's stop button: stop every rank
             run.stop("cancelled")
             raise
         return run.outcome()
