@@ -11,7 +11,7 @@ import pytest
 
 from gpulaunch import distributed
 from gpulaunch.errors import ConfigurationError
-from gpulaunch.launch.rundir import RunDir
+from gpulaunch.launch.rundir import RunDir, read_json
 
 from conftest import assert_no_survivors, latest_run_dir
 
@@ -68,3 +68,37 @@ def test_unknown_start_method_is_refused_before_anything_starts(gpulaunch_home, 
     monkeypatch.setenv("GPULAUNCH_START_METHOD", "forkserver")
     with pytest.raises(ConfigurationError, match="GPULAUNCH_START_METHOD='forkserver'"):
         distributed(gpus=2, stream_logs="none")(lambda: 1).distributed()
+
+
+def test_no_forked_rank_runs_before_the_last_fork(gpulaunch_home):
+    """A rank forked while another rank's connection is being accepted can inherit a held
+    glibc lock and hang forever (the agent's store threads resolve peer addresses). So no rank
+    may start before the agent has forked the last one: every rank's own start stamp
+    (``info.json``, written on its way in) must come after the agent's ``forked_at``, also after
+    a restart, and the gate must not leak into the user's environment."""
+    def look(fail_first):
+        import os
+
+        import torch.distributed as dist
+
+        from gpulaunch import runtime as rt
+        rt.init()
+        dist.barrier()
+        if fail_first and rt.get_restart_count() == 0 and rt.get_global_rank() == 2:
+            os._exit(3)
+        return "GPULAUNCH_FORK_GATE" in os.environ
+
+    for restarts in (0, 1):
+        handle = distributed(gpus=4, stream_logs="none", max_restarts=restarts)(look).submit(
+            bool(restarts))
+        assert handle.result(timeout=300) == [False] * 4
+        run = RunDir(handle.run_dir)
+        status = run.status()
+        assert status["start_method"] == "fork"
+        forked_at = status["forked_at"]          # the last attempt's
+        attempt = status["attempt"]
+        assert attempt == restarts
+        started = {r: read_json(run.rank_file(attempt, r, "info.json"))["started"]
+                   for r in range(4)}
+        assert all(t >= forked_at for t in started.values()), (forked_at, started)
+        assert_no_survivors(handle.run_dir)

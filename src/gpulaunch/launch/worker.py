@@ -107,6 +107,7 @@ def fork_entry(run_dir: str) -> None:
     import io
     import logging
 
+    _wait_at_fork_gate()
     os.setsid()  # its own session and process group, as torchelastic's Popen gives a spawned rank
     for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2):
         signal.signal(sig, signal.SIG_DFL)  # the agent's handlers raise SignalException
@@ -132,6 +133,24 @@ def fork_entry(run_dir: str) -> None:
         torch.set_num_threads(int(threads))
     sys.argv = [__file__, run_dir]
     main([run_dir])
+
+
+FORK_GATE_ENV = "GPULAUNCH_FORK_GATE"
+
+
+def _wait_at_fork_gate() -> None:
+    """Do nothing until the agent has forked every rank (it closes the pipe's write end then;
+    see ``GpulaunchAgent._fork_workers_behind_a_gate`` for the deadlock this prevents)."""
+    gate = os.environ.pop(FORK_GATE_ENV, None)
+    if not gate:
+        return
+    read_end, write_end = (int(x) for x in gate.split(","))
+    os.close(write_end)                  # our inherited copy: EOF needs every copy closed
+    try:
+        while os.read(read_end, 1):
+            pass
+    finally:
+        os.close(read_end)
 
 
 def main(argv: list[str]) -> None:

@@ -117,7 +117,15 @@ class GpulaunchAgent(LocalElasticAgent):
     on_first_start = None   # called once, after the first group of ranks is running
 
     def _start_workers(self, worker_group):
-        pids = super()._start_workers(worker_group)
+        rdzv = worker_group.spec.rdzv_handler
+        if isinstance(rdzv, BoundStaticRendezvous):
+            rdzv.before_starting_ranks()         # multi-node: node 0 starts its ranks first
+        if self._start_method != "fork":
+            pids = super()._start_workers(worker_group)
+        else:
+            pids = self._fork_workers_behind_a_gate(worker_group)
+        if isinstance(rdzv, BoundStaticRendezvous):
+            rdzv.after_starting_ranks()
         if self.on_first_start is not None:
             callback, self.on_first_start = self.on_first_start, None
             callback()
@@ -128,6 +136,31 @@ class GpulaunchAgent(LocalElasticAgent):
         self.status.update(state="RUNNING", attempt=attempt,
                            pids={str(ranks[lr]): pid for lr, pid in pids.items()})
         return pids
+
+    def _fork_workers_behind_a_gate(self, worker_group):
+        """Fork every rank, and only then let them run.
+
+        A forked child inherits every lock of the agent in the state it had at the fork, and
+        only the forking thread survives to release them. Threads of the agent do network work
+        while ranks are forked one by one: the rendezvous stores' server threads accept the
+        first ranks' connections and, for each, resolve the peer's address (``getnameinfo``),
+        which holds glibc's resolver lock. A rank forked at that moment inherits that lock held
+        and hangs forever in its own first ``getnameinfo`` (inside ``init_process_group``):
+        measured here, 1 launch in 18 to 1 in 60 of 4 ranks on 2 cores, every rank then stuck
+        in rendezvous (Accelerate's ``notebook_launcher`` forks the same way and hung likewise).
+        So each rank waits on a pipe before doing anything, the agent closes it once the last
+        fork is done, and no connection is accepted while a fork is in progress. (On a multi-
+        node job node 0 also waits for every node's agent to connect first, and the other
+        nodes start their ranks only after node 0's forks: ``rendezvous.py``.)"""
+        read_end, write_end = os.pipe()
+        os.environ[worker.FORK_GATE_ENV] = f"{read_end},{write_end}"
+        try:
+            return super()._start_workers(worker_group)
+        finally:
+            os.environ.pop(worker.FORK_GATE_ENV, None)
+            os.close(write_end)            # EOF on the ranks' read ends: go
+            os.close(read_end)
+            self.status.update(forked_at=time.time())
 
     def _monitor_workers(self, worker_group):
         result = super()._monitor_workers(worker_group)
@@ -371,7 +404,8 @@ def main(argv: list[str] | None = None) -> int:
             entry = [sys.executable, "-u", "-m", "gpulaunch.launch.worker", str(run.path)]
         wspec = WorkerSpec(role="rank", local_world_size=int(spec["nproc_per_node"]),
                            entrypoint=entry[0], args=tuple(entry[1:]), rdzv_handler=rdzv,
-                           max_restarts=int(spec.get("max_restarts", 0)), monitor_interval=0.1)
+                           max_restarts=int(spec.get("max_restarts", 0)),
+                           monitor_interval=0.05)   # how soon a rank's exit is seen
         agent = GpulaunchAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                                shutdown_grace=float(spec["shutdown_grace"]),
                                exit_barrier_timeout=float(launch.get("exit_barrier_timeout", 300)),

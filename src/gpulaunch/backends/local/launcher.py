@@ -37,14 +37,15 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return env
 
 
-def step_until_done(step, poll: float, timeout: float | None) -> bool:
+def step_until_done(step, poll: float, timeout: float | None, pause=time.sleep) -> bool:
     """Call a run's ``step()`` every ``poll`` s until it reports the end (True), or until
-    ``timeout`` s have passed (False; the run goes on). Local and Ray runs alike."""
+    ``timeout`` s have passed (False; the run goes on). Local and Ray runs alike; ``pause``
+    may return early when the run has news (a local agent that exited)."""
     end = None if timeout is None else time.monotonic() + timeout
     while not step():
         if end is not None and time.monotonic() > end:
             return False
-        time.sleep(poll)
+        pause(poll)
     return True
 
 
@@ -154,7 +155,14 @@ class LocalRun:
             return False
 
     def wait(self, poll: float = 0.1, timeout: float | None = None) -> bool:
-        return step_until_done(self.step, poll, timeout)
+        return step_until_done(self.step, poll, timeout, pause=self._pause)
+
+    def _pause(self, seconds: float) -> None:
+        """Sleep between steps, but wake as soon as the agent exits (the end of every run)."""
+        try:
+            self.proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            pass
 
     def stop(self, reason: str) -> None:
         """Stop every process of the run: SIGTERM the agent (it stops the ranks with the

@@ -71,7 +71,14 @@ class BoundStaticRendezvous(RendezvousHandler):
                 self._store = TCPStore(self.connect_host, self.port, self.nnodes, False,
                                        self.timeout)
         key = f"gpulaunch/rank_store_port/{self._round}"
+        # Forking ranks while a store thread accepts a connection can deadlock a rank (see
+        # GpulaunchAgent._fork_workers_behind_a_gate): node 0 forks only once every node's agent
+        # has connected, and the other nodes start their ranks (which connect to node 0's rank
+        # store) only once node 0 has forked all of its own (``before_starting_ranks`` /
+        # ``after_starting_ranks``, called by the agent around its start of the ranks).
+        self._store.set(f"gpulaunch/joined/{self._round}/{self.node_rank}", "1")
         if self.node_rank == 0:
+            self._store.wait([f"gpulaunch/joined/{self._round}/{n}" for n in range(self.nnodes)])
             listener = self._listen(0)
             rank_store = self._serve(listener, None)
             # drop the previous round's store only now: the new port can never equal it
@@ -84,6 +91,16 @@ class BoundStaticRendezvous(RendezvousHandler):
         store = PrefixStore(self.run_id, self._store)
         return RendezvousInfo(store, self.node_rank, self.nnodes,
                               RendezvousStoreInfo(self.connect_host, rank_port))
+
+    def before_starting_ranks(self) -> None:
+        """Nodes > 0: wait until node 0 has started all of this round's ranks."""
+        if self.node_rank != 0 and self._store is not None:
+            self._store.wait([f"gpulaunch/ranks_started/{self._round - 1}"])
+
+    def after_starting_ranks(self) -> None:
+        """Node 0: this round's ranks are all forked; the other nodes may start theirs."""
+        if self.node_rank == 0 and self._store is not None:
+            self._store.set(f"gpulaunch/ranks_started/{self._round - 1}", "1")
 
     def is_closed(self) -> bool:
         return False
