@@ -74,3 +74,11 @@ def test_scaling_smoke(tmp_path):
     for r in data["results"]:
         assert "error" not in r, r
         assert [x["rank"] for x in r["ranks"]] == list(range(r["gpus"]))
+
+
+def test_launch_soak_smoke(tmp_path):
+    _run("launch_soak.py", "--launches", "1", "--calls", "2", "--workers", "2", out=tmp_path)
+    data = json.loads((tmp_path / "launch_soak.json").read_text())
+    assert [r["state"] for r in data["results"]] == ["ok", "ok"]
+    assert [r["warm"] for r in data["results"]] == [False, True]   # the 2nd via the standby
+    assert "| cold | ok | 1 |" in (tmp_path / "launch_soak.md").read_text()
