@@ -83,7 +83,9 @@ def _stacks(status: dict, py_spy: str | None) -> dict:
     for pid in filter(None, pids):
         proc = subprocess.run([py_spy, "dump", "--native", "--pid", str(pid)],
                               capture_output=True, text=True)
-        stacks[str(pid)] = (proc.stdout + proc.stderr)[-6000:]
+        # pybind11's template names fill whole screens: keep every frame, cut each line short
+        text = "\n".join(line[:160] for line in (proc.stdout + proc.stderr).splitlines())
+        stacks[str(pid)] = text[:8000]
     return stacks
 
 
