@@ -18,6 +18,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from gpulaunch import cli, distributed  # noqa: E402
 from gpulaunch import runtime as rt  # noqa: E402
+from gpulaunch.launch.rundir import RunDir  # noqa: E402
 from gpulaunch.tracking import caller as tracking_caller  # noqa: E402
 
 
@@ -375,3 +376,38 @@ def test_lightning_mlflow_logger_writes_into_gpulaunch_run(tracked, gpulaunch_ho
     assert "_lightning_train" in next(line for line in _cli(capsys, "runs").splitlines()
                                       if run_dir.name in line)
     _cli(capsys, "logs", run_dir.name, "--rank", "0")
+
+
+def _crash_once_then_log(steps: int):
+    import os
+    import time
+
+    import mlflow
+    import torch.distributed as dist
+
+    from gpulaunch import runtime as rt
+    rt.init()
+    if rt.get_restart_count() == 0 and rt.get_global_rank() == 1:
+        time.sleep(2.5)            # the agent's sampler is logging (every 1 s) when we go
+        os._exit(3)
+    dist.barrier()                 # attempt 0: rank 0 never gets past this
+    if rt.get_global_rank() == 0:
+        for i in range(steps):
+            mlflow.log_metric("loss", 1.0 / (i + 1), step=i)
+    return rt.get_restart_count()
+
+
+def test_restart_while_the_sampler_logs_is_one_finished_run(tracked, gpulaunch_home):
+    """A restart re-forks the ranks while the agent's system-metrics thread talks to MLflow:
+    the fork must wait for it (procutil.FORK_QUIET), and the restarted group must log into the
+    same run, which ends FINISHED with the system samples of both attempts."""
+    fn = distributed(gpus=2, stream_logs="none", max_restarts=1, timeout=240)(
+        _crash_once_then_log)
+    handle = fn.submit(5)
+    assert handle.result(timeout=240) == [1, 1]
+    run = tracked.get_run(handle.mlflow_run_id)
+    assert run.info.status == "FINISHED"
+    assert [m.step for m in tracked.get_metric_history(run.info.run_id, "loss")] == list(range(5))
+    cpu = tracked.get_metric_history(run.info.run_id, "system/node_0/cpu_utilization_percentage")
+    assert len(cpu) >= 3                      # samples before, across and after the restart
+    assert RunDir(handle.run_dir).status()["attempt"] == 1

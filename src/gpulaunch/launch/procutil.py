@@ -5,10 +5,27 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
+import threading
 import sys
 import time
 
 PR_SET_PDEATHSIG = 1
+
+
+# Held by the agent while it forks ranks, and by its helper threads (the system-metrics
+# sampler) around network calls: a rank forked while another thread of the agent sits inside a
+# name lookup inherits glibc's resolver lock held, and hangs in its own first lookup.
+FORK_QUIET = threading.Lock()
+
+
+def _fresh_fork_quiet() -> None:
+    # a forked rank inherits the lock held by the agent's forking thread: give it a free one
+    global FORK_QUIET
+    FORK_QUIET = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_fresh_fork_quiet)
 
 
 def set_parent_death_signal(sig: int = signal.SIGKILL) -> bool:

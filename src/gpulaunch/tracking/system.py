@@ -19,6 +19,8 @@ import time
 
 import psutil
 
+from ..launch import procutil
+
 PREFIX = "system"
 
 
@@ -161,9 +163,10 @@ class SystemMetricsLogger:
                 if self.handed_off:
                     return
                 self._pending.append(self._take(0))
-            from mlflow.entities import Metric
-            from mlflow.tracking import MlflowClient
-            client = MlflowClient(self.tracking_uri)
+            with procutil.FORK_QUIET:
+                from mlflow.entities import Metric
+                from mlflow.tracking import MlflowClient
+                client = MlflowClient(self.tracking_uri)
         except Exception as e:  # noqa: BLE001
             self.log(f"system metrics disabled: {type(e).__name__}: {e}")
             return
@@ -188,8 +191,9 @@ class SystemMetricsLogger:
 
     def _log_batch(self, client, Metric, ms: int, step: int, values: dict) -> None:
         try:
-            client.log_batch(self.run_id, metrics=[Metric(k, v, ms, step)
-                                                   for k, v in values.items()])
+            with procutil.FORK_QUIET:   # not while the agent forks ranks (a restart)
+                client.log_batch(self.run_id, metrics=[Metric(k, v, ms, step)
+                                                       for k, v in values.items()])
             self.samples += 1
         except Exception as e:  # noqa: BLE001
             if not self._warned:

@@ -149,14 +149,22 @@ class GpulaunchAgent(LocalElasticAgent):
         measured here, 1 launch in 18 to 1 in 60 of 4 ranks on 2 cores, every rank then stuck
         in rendezvous (Accelerate's ``notebook_launcher`` forks the same way and hung likewise).
         So each rank waits on a pipe before doing anything, the agent closes it once the last
-        fork is done, and no connection is accepted while a fork is in progress. (On a multi-
+        fork is done, and no connection is accepted while a fork is in progress; the agent's
+        own helper threads (the system-metrics sampler, which talks to MLflow) make no network
+        call while it forks (``procutil.FORK_QUIET``: this matters on restarts, when the
+        sampler is already running). (On a multi-
         node job node 0 also waits for every node's agent to connect first, and the other
         nodes start their ranks only after node 0's forks: ``rendezvous.py``.)"""
         read_end, write_end = os.pipe()
         os.environ[worker.FORK_GATE_ENV] = f"{read_end},{write_end}"
+        # our own helper threads: no network call meanwhile (bounded: a tracking server that
+        # hangs a request must not hold a restart for minutes)
+        quiet = procutil.FORK_QUIET.acquire(timeout=10)
         try:
             return super()._start_workers(worker_group)
         finally:
+            if quiet:
+                procutil.FORK_QUIET.release()
             os.environ.pop(worker.FORK_GATE_ENV, None)
             os.close(write_end)            # EOF on the ranks' read ends: go
             os.close(read_end)
