@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import os
 import stat
 import subprocess
@@ -450,3 +451,13 @@ def test_runs_and_logs_cli(gpulaunch_home):
     logs = subprocess.run([PY, "-m", "gpulaunch.cli", "logs", run_id, "--rank", "1"],
                           capture_output=True, text=True, env=env, timeout=60)
     assert logs.returncode == 0 and logs.stdout.strip() == "hello-from 1"
+
+
+def test_doctor_reports_the_host_and_a_working_launch(tmp_path):
+    env = python_env({"GPULAUNCH_STANDBY": "0"})
+    out = subprocess.run([PY, "-m", "gpulaunch.cli", "doctor", "--smoke"], env=env,
+                         capture_output=True, text=True, timeout=180)
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "no GPU (" in out.stdout or "gpu 0:" in out.stdout
+    assert "standby     off" in out.stdout
+    assert re.search(r"smoke       2 ranks, all_reduce OK in [0-9.]+ s", out.stdout), out.stdout

@@ -271,6 +271,9 @@ def cmd_doctor(args) -> int:
     except OSError:
         print("/dev/shm    missing")
     print(f"run dirs    {rundir.runs_root()}")
+    from .backends.local import standby
+    print(f"standby     {'on' if standby.enabled() else 'off'}: the Python API starts the next "
+          f"call's agent ahead, torch imported ({standby.ENV_SWITCH}=0 turns it off)")
     for var in ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_P2P_DISABLE",
                 "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT"):
         if var in os.environ:
