@@ -71,6 +71,46 @@ def _enable_ac(model):
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kw)
 
 
+def _peak_trace(snapshot: dict, top: int = 12) -> str:
+    """What was allocated, beyond what existed when recording started, at the peak of the recorded
+    steps: replays the CUDA caching allocator's trace, finds the moment of the largest net growth,
+    and groups the blocks live then by the Python frames that allocated them."""
+    events = [e for dev in snapshot.get("device_traces", []) for e in dev]
+    live: dict[int, dict] = {}
+    net = best = best_i = 0
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+            net += e["size"]
+        elif e["action"] == "free_completed":
+            net -= e["size"]
+            live.pop(e["addr"], None)
+        if net > best:
+            best, best_i = net, i
+    live, freed_before = {}, 0
+    for e in events[:best_i + 1]:
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_completed" and live.pop(e["addr"], None) is None:
+            freed_before += e["size"]      # a block that existed before recording started
+    def where(e):
+        frames = [f for f in e.get("frames", []) if f.get("filename", "").endswith(".py")
+                  and "/torch/utils/" not in f["filename"] and "/torch/nn/modules/module.py" not in f["filename"]]
+        return " <- ".join(f"{Path(f['filename']).name}:{f['line']} {f['name']}" for f in frames[:4]) or "?"
+    groups: dict[str, list[int]] = {}
+    for e in live.values():
+        g = groups.setdefault(where(e), [0, 0])
+        g[0] += e["size"]
+        g[1] += 1
+    lines = [f"net growth at the peak: {best / GiB:.3f} GiB (event {best_i} of {len(events)}); "
+             f"blocks from before recording freed by then: {freed_before / GiB:.3f} GiB",
+             f"allocation that made the peak: {events[best_i]['size'] / GiB:.3f} GiB at {where(events[best_i])}" if events else "",
+             "live at the peak, allocated during the recorded steps (GiB, blocks, where):"]
+    for key, (size, n) in sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]:
+        lines.append(f"  {size / GiB:8.3f} {n:6d}  {key}")
+    return "\n".join(lines)
+
+
 def _run_variant(task, variant, dev, tracker_cls):
     import torch
     from transformers import LlamaForCausalLM
@@ -148,6 +188,9 @@ def _run_variant(task, variant, dev, tracker_cls):
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()
+            rec_start = torch.cuda.memory_allocated()
+            if task.get("trace"):
+                torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
         else:
             tracker.reset_peak()
         t0 = time.perf_counter()
@@ -158,6 +201,14 @@ def _run_variant(task, variant, dev, tracker_cls):
             torch.cuda.synchronize()
         dt = (time.perf_counter() - t0) / n
         peak = (torch.cuda.max_memory_allocated() if cuda else tracker.peak) - base
+        if cuda and task.get("trace"):
+            snap = torch.cuda.memory._snapshot()
+            torch.cuda.memory._record_memory_history(enabled=None)
+            name = f"trace-{shape.name}-{strategy}-{'lora' if lora else 'full'}{'-ac' if ac else ''}.txt"
+            text = (f"{shape.name} {strategy} {'LoRA' if lora else 'full'} AC {'on' if ac else 'off'}: "
+                    f"max_memory_allocated - base = {peak / GiB:.3f} GiB (base {base / GiB:.3f} GiB, "
+                    f"allocated when recording started {rec_start / GiB:.3f} GiB)\n" + _peak_trace(snap))
+            Path(task["out"], name).write_text(text + "\n")
         out = {"measured_peak": int(peak), "step_s": dt, "tokens_per_s": mb * seq / dt, "loss": loss,
                "trainable": sum(p.numel() for p in params)}
         if tracker is not None:
@@ -265,6 +316,10 @@ def main(argv=None) -> int:
     ap.add_argument("--budget-s", type=float, default=450.0, help="stop launching groups after this")
     ap.add_argument("--predict-only", action="store_true", help="write the predictions, run nothing")
     ap.add_argument("--gpus", type=int, default=1, help="world size (>1: ranks started by gpulaunch run)")
+    ap.add_argument("--variants", default="full,full+ac,lora,lora+ac",
+                    help="comma list of full, full+ac, lora, lora+ac")
+    ap.add_argument("--trace", action="store_true",
+                    help="GPU: also write trace-*.txt, what is live at each variant's peak and where it was allocated")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.worker:
@@ -279,7 +334,11 @@ def main(argv=None) -> int:
     if args.models:
         shapes = {k: v for k, v in shapes.items() if k in args.models.split(",")}
     strategies = args.strategies.split(",")
-    variants = [{"lora": lora, "ac": ac} for lora in (False, True) for ac in (False, True)]
+    names = {"full": (False, False), "full+ac": (False, True), "lora": (True, False), "lora+ac": (True, True)}
+    unknown = set(args.variants.split(",")) - set(names)
+    if unknown:
+        ap.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(names)}")
+    variants = [{"lora": lora, "ac": ac} for v, (lora, ac) in names.items() if v in args.variants.split(",")]
     t_start = time.time()
     rows = []
     for mname, shape in shapes.items():
@@ -308,6 +367,7 @@ def main(argv=None) -> int:
                 from dataclasses import asdict
                 task = {"strategy": strategy, "shape": asdict(shape), "micro_batch": mb, "seq_len": seq,
                         "variants": variants, "steps": args.steps, "smoke": args.smoke,
+                        "trace": args.trace, "out": str(out),
                         "store": str(out / f".store-{mname}-{strategy}-{time.time_ns()}")}
                 t0 = time.time()
                 cmd = [sys.executable, str(Path(__file__).resolve()), "--out", str(out), "--worker", json.dumps(task)]

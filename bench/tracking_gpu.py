@@ -9,7 +9,7 @@
    checks that the GPU keys (utilisation, memory, power) are there when a GPU is.
 3. Times a no-op launch with tracking off and on (whole .distributed() call, second call of
    each, so MLflow's import is warm in the caller as in a notebook).
-Writes $OUT/tracking_gpu.json, $OUT/system_metrics.png, $OUT/metrics.png (or ./bench_out/).
+Writes tracking_gpu.json, system_metrics.png and metrics.png into --out (default $OUT, else ./bench_out/).
 """
 
 from __future__ import annotations
@@ -63,9 +63,11 @@ def main() -> int:
     p.add_argument("--seconds", type=float, default=30.0)
     p.add_argument("--interval", type=float, default=1.0)
     p.add_argument("--cpu", action="store_true", help="smoke mode on a host without GPU")
+    p.add_argument("--out", default=os.environ.get("OUT") or "bench_out",
+                   help="folder for the report (default: $OUT, else ./bench_out)")
     a = p.parse_args()
 
-    out = Path(os.environ.get("OUT") or "bench_out")
+    out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     home = Path(tempfile.mkdtemp(prefix="gpulaunch-tracking-bench-"))
     os.environ["GPULAUNCH_HOME"] = str(home)            # a fresh default sqlite store

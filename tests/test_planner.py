@@ -56,6 +56,21 @@ def test_zero3_model_states_shard_over_gpus():
     assert m1.parameters == 2 * P and m1.gradients == 2 * P  # stage 1 shards only optimizer state
 
 
+
+@pytest.mark.parametrize("precision,c", [("bf16", 2), ("fp32", 4)])
+def test_zero1_optimizer_step_by_hand(precision, c):
+    # DeepSpeed ZeRO-1, world size 1, 4929-parameter MLP (no activations modelled). At the step it holds
+    # params (c P) + fp32 master and Adam m, v (12P; fp32 runs need no separate master: 8P) + its gradients
+    # (c P), and flattens the gradient partition (c P) and converts it to fp32 (4P; no copy when the
+    # gradients already are fp32). Traced on an H200 for the 1B model: +2P flat, +4P fp32 at the peak.
+    P = 4929
+    e = plan("recipe-mlp", precision=precision, gpu="A10", strategies=["zero1"]).estimate("zero1")
+    master = 4 * P if c == 2 else 0
+    flat_and_fp32 = c * P + 4 * P if c == 2 else 4 * P
+    assert e.optimizer == master + 8 * P
+    assert e.phases["optimizer step"] == c * P + master + 8 * P + c * P + flat_and_fp32 + ALLOC_WORKSPACE
+
+
 def test_pure_bf16_block_activation_by_hand():
     # 16h + 4q + 4kv + 8i + 4*heads bytes per token: two RMSNorms (fp32 upcast + normalized + output),
     # rotated q/k, v and SDPA output, fp32 log-sum-exp, four SwiGLU intermediates.

@@ -143,8 +143,10 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
         # Stage 3 allocates its reduce bucket at full reduce_bucket_size whatever the model size
         # (measured on CPU: +954 MiB for a 2M-parameter model); stage 2 flattens up to one bucket.
         buckets = c * (DS_REDUCE_BUCKET if stage == 3 else min(DS_REDUCE_BUCKET, Pt)) if stage >= 2 else 0
-        # At step DeepSpeed makes an fp32 copy of its gradient partition for the optimizer.
-        step_tmp = 4 * Pt // N
+        # At step DeepSpeed flattens its gradient partition (a copy in the compute dtype) and converts
+        # that to fp32 for the optimizer, while the gradients themselves are still held: traced on an
+        # H200 with `bench/planner_measure.py --trace` (1B ZeRO-1, bf16: +2P flat, +4P fp32 at the peak).
+        step_tmp = 4 * Pt // N + (c * Pt // N if c < 4 else 0)
         if stage == 3:
             gathered = c * (2 * layer + min(DS_PREFETCH_BUCKET, layer))
             gathered_idle = 0
