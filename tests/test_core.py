@@ -326,6 +326,52 @@ def test_two_runs_at_the_same_time_both_succeed():
     assert len(results) == 2 and all([o["sum"] for o in r] == [1.0, 1.0] for r in results)
 
 
+
+class _WaitsWhilePickled:
+    """An argument whose pickling blocks until released: holds one serialization open."""
+
+    def __init__(self, entered: threading.Event, release: threading.Event):
+        self.entered, self.release = entered, release
+
+    def __reduce__(self):
+        self.entered.set()
+        assert self.release.wait(30)
+        return (int, (7,))
+
+
+def test_overlapping_serializations_of_one_local_module_keep_it_pickled_by_value():
+    # Two launches from threads of one notebook serialize functions of the same local module
+    # (this test file). The one that finishes first must not unregister the module under the
+    # other: that raised "not registered for pickle by value" in the CI run of e2fcd39.
+    import cloudpickle
+
+    from gpulaunch.launch import payload
+    me = sys.modules[_allreduce_rank_sum.__module__]
+    entered, release, errors = threading.Event(), threading.Event(), []
+
+    def slow():
+        try:
+            payload.serialize_call(_allreduce_rank_sum, (_WaitsWhilePickled(entered, release),), {})
+        except Exception as e:  # reported below
+            errors.append(e)
+
+    t = threading.Thread(target=slow)
+    t.start()
+    assert entered.wait(30)
+    payload.serialize_call(_allreduce_rank_sum, (), {})      # a whole serialization meanwhile
+    assert me.__name__ in cloudpickle.list_registry_pickle_by_value()  # still by value for `slow`
+    release.set()
+    t.join(30)
+    assert not errors, errors
+    assert me.__name__ not in cloudpickle.list_registry_pickle_by_value()   # released at the end
+    # A registration the user made is theirs: serializing leaves it in place.
+    cloudpickle.register_pickle_by_value(me)
+    try:
+        payload.serialize_call(_allreduce_rank_sum, (), {})
+        assert me.__name__ in cloudpickle.list_registry_pickle_by_value()
+    finally:
+        cloudpickle.unregister_pickle_by_value(me)
+
 def test_submit_handle_status_result_logs(gpulaunch_home):
     @distributed(gpus=2)
     def slow(n):

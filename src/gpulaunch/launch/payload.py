@@ -18,6 +18,7 @@ import linecache
 import os
 import sys
 import sysconfig
+import threading
 import traceback
 import types
 from pathlib import Path
@@ -100,13 +101,40 @@ def _source_lines(func) -> dict[str, list[str]]:
     return {code.co_filename: lines} if lines else {}
 
 
+# cloudpickle's by-value registry is process-wide. Two launches serializing functions of the same
+# local module at once (threads in one notebook) must not unregister it under each other: the
+# second unregister raised "not registered for pickle by value", or a launch still pickling lost
+# by-value pickling halfway. So registrations are counted, and one the user made stays theirs.
+_BY_VALUE_LOCK = threading.Lock()
+_BY_VALUE_USERS: dict[str, int] = {}
+
+
+def _hold_by_value(module: types.ModuleType) -> bool:
+    """Make ``module`` pickle by value for one serialization; True if it must be released after."""
+    with _BY_VALUE_LOCK:
+        users = _BY_VALUE_USERS.get(module.__name__, 0)
+        if users == 0:
+            if module.__name__ in cloudpickle.list_registry_pickle_by_value():
+                return False          # the user registered it: not ours to undo
+            cloudpickle.register_pickle_by_value(module)
+        _BY_VALUE_USERS[module.__name__] = users + 1
+        return True
+
+
+def _release_by_value(module: types.ModuleType) -> None:
+    with _BY_VALUE_LOCK:
+        users = _BY_VALUE_USERS.pop(module.__name__) - 1
+        if users:
+            _BY_VALUE_USERS[module.__name__] = users
+        else:
+            cloudpickle.unregister_pickle_by_value(module)
+
+
 def serialize_call(func, args: tuple, kwargs: dict, *, arg_names: dict[int, str] | None = None,
                    max_arg_bytes: int = DEFAULT_MAX_ARG_BYTES) -> bytes:
     """Pickle ``func(*args, **kwargs)`` into one blob, naming the culprit on any failure."""
     module = sys.modules.get(getattr(func, "__module__", None) or "")
-    by_value = _is_local_module(module)
-    if by_value:
-        cloudpickle.register_pickle_by_value(module)
+    by_value = _is_local_module(module) and _hold_by_value(module)
     try:
         try:
             fn_blob = _dumps(func)
@@ -150,7 +178,7 @@ def serialize_call(func, args: tuple, kwargs: dict, *, arg_names: dict[int, str]
         return _dumps(envelope)
     finally:
         if by_value:
-            cloudpickle.unregister_pickle_by_value(module)
+            _release_by_value(module)
 
 
 def load_call(path: Path):
