@@ -22,6 +22,7 @@ import threading
 import time
 
 from ... import errors
+from . import calls
 from ...launch import rundir
 from ...launch.logstream import LogStreamer
 from ...launch.report import raise_for_run
@@ -218,10 +219,12 @@ class RayRun:
                 return True
             try:
                 self._poll_nodes()
-            except Exception:
-                if self._connected():
+            except (Exception, SystemExit):
+                # ray.shutdown() in another thread while this poll waits in ray.wait(): Ray ends
+                # the call with an error, or with SystemExit from its core worker (seen in CI).
+                if not self._disconnecting():
                     raise
-                self._finish(None)        # ray.shutdown() raced with this poll
+                self._finish(None)
                 return True
             if "ranks_spawned" not in self.timings and self._node_status and all(
                     (st or {}).get("state") in ("RUNNING",) + _TERMINAL
@@ -261,11 +264,11 @@ class RayRun:
         for i, actor in enumerate(self.actors):
             if self._node_done[i] or self._pending[i] is not None:
                 continue
-            self._pending[i] = actor.poll.remote(self._cursors[i])
+            self._pending[i] = calls.call(actor.poll, self._cursors[i])
         refs = [r for r in self._pending if r is not None]
         if not refs:
             return
-        ready, _ = ray.wait(refs, num_returns=len(refs), timeout=wait)
+        ready, _ = calls.wait(ray, refs, num_returns=len(refs), timeout=wait)
         now = time.monotonic()
         for i, ref in enumerate(self._pending):
             if ref is None:
@@ -277,7 +280,7 @@ class RayRun:
             self._pending[i] = None
             self._last_answer[i] = now
             try:
-                answer = ray.get(ref)
+                answer = calls.get(ray, ref)
             except Exception as e:  # RayActorError, ActorDiedError, NodeDiedError...
                 self._mark_lost(i, _ray_error_text(e))
                 continue
@@ -287,10 +290,10 @@ class RayRun:
         """A node's watchdog declared a hang: before anything is stopped, every other node's
         ranks write their stacks (the node that saw it already did, and waits for us)."""
         self._stacks_asked = True
-        refs = [a.dump_stacks.remote() for i, a in enumerate(self.actors)
+        refs = [calls.call(a.dump_stacks) for i, a in enumerate(self.actors)
                 if not self._node_done[i] and not self._node_status[i].get("hang")]
         if refs:
-            self._ray.wait(refs, num_returns=len(refs), timeout=10)
+            calls.wait(self._ray, refs, num_returns=len(refs), timeout=10)
 
     def _absorb(self, i: int, answer: dict) -> None:
         for rel, (kind, mark, data) in answer["files"].items():
@@ -355,12 +358,30 @@ class RayRun:
             return False
         return True
 
+    def _disconnecting(self, within: float = 5.0) -> bool:
+        """After a Ray call failed: is this because the connection is ending? ``ray.shutdown()``
+        marks the connection closed only at its end, so give it a few seconds to get there."""
+        deadline = time.monotonic() + within
+        while self._connected():
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
+        return True
+
     def _finish(self, reason: str | None) -> None:
         self.reason = self.reason or reason
         self._mark("ended")
+        if self.lost is not None and not self.disconnected:
+            # A node that stopped answering just as ray.shutdown() ran was not lost: the
+            # connection ended. Let the shutdown finish so that the error says so.
+            self._disconnecting(within=2.0)
         if self._connected():
-            self._stop_nodes()
-            self._teardown()
+            try:
+                self._stop_nodes()
+                self._teardown()
+            except (Exception, SystemExit):
+                if not self._disconnecting():
+                    raise
         self._mark("torn_down")
         if self.streamer:
             self.streamer.pump(final=True)
@@ -378,11 +399,11 @@ class RayRun:
         live = [i for i in range(len(self.actors)) if not (self.lost and
                                                             self.lost["node_rank"] == i)]
         grace = self.spec.shutdown_grace + 15
-        stops = {i: self.actors[i].stop.remote() for i in live}
+        stops = {i: calls.call(self.actors[i].stop) for i in live}
         for i, ref in stops.items():
             try:
-                ray.get(ref, timeout=grace)
-            except Exception as e:
+                calls.get(ray, ref, timeout=grace)
+            except (Exception, SystemExit) as e:
                 if not self._node_done[i]:       # it was still running and did not answer
                     self._mark_lost(i, _ray_error_text(e))
         for i in live:
@@ -391,12 +412,12 @@ class RayRun:
             try:
                 # drain: after stop() the node's files are final
                 for _ in range(8):
-                    answer = ray.get(self.actors[i].poll.remote(self._cursors[i]), timeout=30)
+                    answer = calls.get(ray, calls.call(self.actors[i].poll, self._cursors[i]), timeout=30)
                     done_before = answer["done"] and not answer["files"]
                     self._absorb(i, answer)
                     if done_before:
                         break
-            except Exception as e:
+            except (Exception, SystemExit) as e:
                 if self.lost is None and not self._node_done[i]:
                     self._mark_lost(i, _ray_error_text(e))
 
@@ -406,8 +427,8 @@ class RayRun:
             return
         for actor in self.actors:
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:
+                calls.kill(ray, actor)
+            except (Exception, SystemExit):
                 pass
         if self.pg is not None:
             try:
