@@ -76,18 +76,16 @@ def _peak_trace(snapshot: dict, top: int = 12) -> str:
     steps: replays the CUDA caching allocator's trace, finds the moment of the largest net growth,
     and groups the blocks live then by the Python frames that allocated them."""
     events = [e for dev in snapshot.get("device_traces", []) for e in dev]
-    live: dict[int, dict] = {}
     net = best = best_i = 0
-    for i, e in enumerate(events):
+    for i, e in enumerate(events):          # first pass: when was the net growth largest?
         if e["action"] == "alloc":
-            live[e["addr"]] = e
             net += e["size"]
         elif e["action"] == "free_completed":
             net -= e["size"]
-            live.pop(e["addr"], None)
         if net > best:
             best, best_i = net, i
-    live, freed_before = {}, 0
+    live: dict[int, dict] = {}              # second pass: what was live at that moment
+    freed_before = 0
     for e in events[:best_i + 1]:
         if e["action"] == "alloc":
             live[e["addr"]] = e
