@@ -67,7 +67,7 @@ def main() -> None:
 
     # The launcher's memory check on this GPU: refused before any process starts, or launched.
     from gpulaunch.errors import WontFitError
-    from gpulaunch.launch import rundir
+    from gpulaunch.common import rundir
     before = len(list(rundir.runs_root().glob("*"))) if rundir.runs_root().exists() else 0
     t0 = time.perf_counter()
     try:

@@ -138,7 +138,7 @@ def _collect(stamp_dir: str, n: int, t0: float) -> float | None:
 
 def _gpulaunch_phases(t0: float, t_end: float) -> dict:
     """Where a .distributed() call spent its time, from the run directory's own timestamps."""
-    from gpulaunch.launch import rundir
+    from gpulaunch.common import rundir
 
     runs = sorted(rundir.runs_root().iterdir(), key=lambda p: p.stat().st_mtime)
     run = rundir.RunDir(runs[-1])

@@ -49,7 +49,7 @@ def one_caller(workers: int, calls: int, stuck_after: float, py_spy: str | None)
     """Runs in its own process: ``calls`` launches, one after the other."""
     from gpulaunch import distributed
     from gpulaunch.backends.local.standby import STANDBY
-    from gpulaunch.launch.rundir import RunDir
+    from gpulaunch.common.rundir import RunDir
 
     fn = distributed(gpus=workers, stream_logs="none", tracking=False)(empty_fn)
     out = []

@@ -44,7 +44,7 @@ def _allreduce():
 def _ray_run(gpus: int, cluster):
     from gpulaunch.api import DistributedFunction
     from gpulaunch.backends.ray.run import RayRun
-    from gpulaunch.launch.payload import serialize_call
+    from gpulaunch.common.payload import serialize_call
     fn = DistributedFunction(_allreduce, gpus=gpus, cluster=cluster, stream_logs="none")
     spec = fn._resolve()
     t0 = time.perf_counter()
@@ -104,7 +104,7 @@ def gpu_mode(a) -> dict:
     os.environ["GPULAUNCH_QUIET"] = "1"
     import ray
 
-    from gpulaunch.launch import hardware
+    from gpulaunch import hardware
     host = hardware.detect()
     n = len(host.gpus)
     if a.smoke and not n:      # no GPU here: the same path (cluster="local") on 2 CPU ranks

@@ -20,7 +20,7 @@ import time
 import psutil
 
 from gpulaunch import distributed, runtime as rt
-from gpulaunch.launch.rundir import RunDir, read_json
+from gpulaunch.common.rundir import RunDir, read_json
 
 
 def _faulty(mode: str, stamp: str):

@@ -91,7 +91,7 @@ def main() -> None:
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     sys.path.insert(0, str(ROOT / "src"))
     from gpulaunch import distributed
-    from gpulaunch.launch import hardware
+    from gpulaunch import hardware
 
     host = hardware.detect()
     have = len(host.gpus) if not a.smoke else 2

@@ -167,7 +167,7 @@ if importlib.util.find_spec("axolotl") is None:
     raise SystemExit("axolotl_qlora_ddp needs Axolotl, which is not installed here: "
                      "`bash scripts/recipe_venv.sh axolotl`, then run this recipe with that "
                      "environment's python.")
-from gpulaunch.launch import hardware  # noqa: E402
+from gpulaunch import hardware  # noqa: E402
 
 gpus = OPTS.gpus
 if not hardware.detect().gpus and (gpus or 2) > 1:

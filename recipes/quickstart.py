@@ -22,7 +22,7 @@
 
 # %%
 from gpulaunch import distributed, runtime as rt
-from gpulaunch.launch import hardware
+from gpulaunch import hardware
 
 print("This machine:", hardware.detect().describe())
 

@@ -57,7 +57,7 @@ class FSDPNeedsGPU(RuntimeError):
 
 def check_fsdp_possible(opts) -> bool:
     """True when FSDP can be real here; raises (default) or warns when it cannot."""
-    from gpulaunch.launch import hardware
+    from gpulaunch import hardware
     if hardware.detect().gpus:
         return True
     if opts.extra.get("on_cpu", "refuse") != "ddp":

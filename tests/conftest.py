@@ -27,18 +27,12 @@ def gpulaunch_home(tmp_path, monkeypatch):
 
 def run_pids(run_dir) -> set[int]:
     """Every pid a run recorded: the agent and each rank of each attempt."""
-    from gpulaunch.launch.rundir import RunDir, read_json
+    from gpulaunch.common.rundir import RunDir
     run = RunDir(run_dir)
-    pids = set()
+    pids = set(run.rank_pids())
     status = run.status()
-    if status.get("agent_pid"):
-        pids.add(int(status["agent_pid"]))
-    pids.update(int(p) for p in (status.get("pids") or {}).values())
-    for a in run.attempts():
-        for info in run.attempt_dir(a).glob("rank*.info.json"):
-            pid = (read_json(info, {}) or {}).get("pid")
-            if pid:
-                pids.add(int(pid))
+    if status.agent_pid:
+        pids.add(status.agent_pid)
     return pids
 
 

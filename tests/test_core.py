@@ -345,7 +345,7 @@ def test_overlapping_serializations_of_one_local_module_keep_it_pickled_by_value
     # other: that raised "not registered for pickle by value" in the CI run of e2fcd39.
     import cloudpickle
 
-    from gpulaunch.launch import payload
+    from gpulaunch.common import payload
     me = sys.modules[_allreduce_rank_sum.__module__]
     entered, release, errors = threading.Event(), threading.Event(), []
 

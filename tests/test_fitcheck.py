@@ -10,9 +10,10 @@ import pytest
 
 from gpulaunch import distributed
 from gpulaunch.errors import ConfigurationError, WontFitError
-from gpulaunch.launch import fitcheck
-from gpulaunch.launch.hardware import GPUInfo, HostInfo
-from gpulaunch.launch.spec import resolve
+from gpulaunch.caller import fitcheck
+from gpulaunch.hardware.host import GPUInfo, HostInfo
+from gpulaunch.caller.spec import resolve
+from gpulaunch.options import LaunchOptions
 
 from conftest import PY, python_env
 
@@ -27,7 +28,7 @@ def host(n: int, name: str = "NVIDIA H100 80GB HBM3", memory: int = H100) -> Hos
 
 def verdict(plan, n=8, **host_kw):
     h = host(n, **host_kw)
-    return fitcheck.check_launch(fitcheck.validate(plan), resolve(h, gpus=n), h)
+    return fitcheck.check_launch(fitcheck.validate(plan), resolve(LaunchOptions(gpus=n), h), h)
 
 
 def test_fitting_strategy_passes_with_its_predicted_peak():
@@ -68,13 +69,13 @@ def test_on_fail_warn_launches_anyway():
 def test_smallest_gpu_of_a_mixed_host_is_the_one_checked():
     mixed = HostInfo(gpus=(GPUInfo(0, "NVIDIA H200", 143771 << 20), GPUInfo(1, "NVIDIA H100 80GB HBM3", H100)),
                      cpu_count=32, source="nvml")
-    v = fitcheck.check_launch({"model": "llama-3.2-1b", "strategy": "ddp"}, resolve(mixed, gpus=2), mixed)
+    v = fitcheck.check_launch({"model": "llama-3.2-1b", "strategy": "ddp"}, resolve(LaunchOptions(gpus=2), mixed), mixed)
     assert abs(v.gpu_gib - H100 / GiB) < 0.01
 
 
 def test_cpu_workers_are_not_checked():
     cpu = HostInfo(gpus=(), cpu_count=2, source="none")
-    assert fitcheck.check_launch({"model": "llama-3.1-70b", "strategy": "ddp"}, resolve(cpu, gpus=2), cpu) is None
+    assert fitcheck.check_launch({"model": "llama-3.1-70b", "strategy": "ddp"}, resolve(LaunchOptions(gpus=2), cpu), cpu) is None
 
 
 @pytest.mark.parametrize("plan, match", [
@@ -104,7 +105,7 @@ def test_plan_survives_with_overrides_and_cpu_launch_runs(gpulaunch_home):
 
 def test_cli_plan_parsing_and_bad_input():
     assert fitcheck.validate({"model": "x"}) == {"model": "x"}
-    from gpulaunch.cli import _parse_plan
+    from gpulaunch.options import parse_plan as _parse_plan
     assert _parse_plan("model=llama-3.1-8b,strategy=fsdp,seq_len=4096,activation-checkpointing=true") == {
         "model": "llama-3.1-8b", "strategy": "fsdp", "seq_len": 4096, "activation_checkpointing": True}
     proc = subprocess.run([PY, "-m", "gpulaunch.cli", "run", "--plan", "model", "--", "true"],

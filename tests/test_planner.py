@@ -7,9 +7,9 @@ import pytest
 
 from gpulaunch.planner import CATALOG, ModelShape, NothingFitsError, choose_strategy, plan
 from gpulaunch.planner import activations as act
-from gpulaunch.planner.cli import run as cli_run
+from gpulaunch.planner.command import run as cli_run
 from gpulaunch.planner.memory import ALLOC_WORKSPACE, Technique, estimate
-from gpulaunch.planner.setup import TrainingSetup
+from gpulaunch.planner.training_setup import TrainingSetup
 
 GiB = 1 << 30
 

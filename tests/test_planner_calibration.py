@@ -8,7 +8,7 @@ import pytest
 
 from gpulaunch.planner import ModelShape
 from gpulaunch.planner import activations as act
-from gpulaunch.planner.setup import TrainingSetup
+from gpulaunch.planner.training_setup import TrainingSetup
 
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")

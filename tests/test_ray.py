@@ -17,10 +17,10 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from gpulaunch import NodeLostError, RayCluster, distributed, runtime as rt  # noqa: E402
-from gpulaunch.backends.ray.driver import ray_launch  # noqa: E402
+from gpulaunch.backends.ray.ray_launch import ray_launch  # noqa: E402
 from gpulaunch.errors import (GPUTypeError, GPUValidationError, HangError,  # noqa: E402
                               LaunchError, RunCancelledError, ConfigurationError)
-from gpulaunch.launch.rundir import RunDir, read_json  # noqa: E402
+from gpulaunch.common.rundir import RunDir, read_json  # noqa: E402
 
 from conftest import alive  # noqa: E402
 

@@ -18,7 +18,7 @@ import pytest
 from gpulaunch import distributed, runtime as rt
 from gpulaunch.errors import (ConfigurationError, HangError, RunCancelledError, RunTimeoutError,
                               WorkerCrashError)
-from gpulaunch.launch.rundir import RunDir, read_json
+from gpulaunch.common.rundir import RunDir, read_json
 
 from conftest import PY, alive, assert_no_survivors, latest_run_dir, python_env, run_pids
 

@@ -20,7 +20,7 @@ import pytest
 
 from gpulaunch import distributed, runtime as rt
 from gpulaunch.backends.local.standby import STANDBY
-from gpulaunch.launch.rundir import RunDir
+from gpulaunch.common.rundir import RunDir
 
 from conftest import PY, alive, python_env
 

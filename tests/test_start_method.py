@@ -11,7 +11,7 @@ import pytest
 
 from gpulaunch import distributed
 from gpulaunch.errors import ConfigurationError
-from gpulaunch.launch.rundir import RunDir, read_json
+from gpulaunch.common.rundir import RunDir, read_json
 
 from conftest import assert_no_survivors, latest_run_dir
 

@@ -18,7 +18,7 @@ from mlflow.tracking import MlflowClient  # noqa: E402
 
 from gpulaunch import cli, distributed  # noqa: E402
 from gpulaunch import runtime as rt  # noqa: E402
-from gpulaunch.launch.rundir import RunDir  # noqa: E402
+from gpulaunch.common.rundir import RunDir  # noqa: E402
 from gpulaunch.tracking import caller as tracking_caller  # noqa: E402
 
 

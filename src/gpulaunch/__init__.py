@@ -10,23 +10,30 @@ Ray cluster) with one decorator.
         return rt.get_global_rank()
 
     train.distributed(lr=3e-4)     # -> [0, 1, ..., 7]
+
+A notebook written for ``databricks.air`` (or ``serverless_gpu``) ports by changing the import
+line: ``distributed``, ``ray_launch``, ``ray_init``, ``runtime``, ``compute`` and the error
+names are here under the same names.
 """
 
-from . import runtime
+from . import compute, runtime
 from .api import DistributedFunction, RunHandle, distributed
-from .backends.ray.cluster import RayCluster   # imports no ray until used
+from .backends.ray.cluster import RayCluster, ray_init   # imports no ray until used
+from .backends.ray.ray_launch import ray_launch
 from .compute import AcceleratorType, GPUType
 from .errors import (ArgumentError, ConfigurationError, GpulaunchError, GPUTypeError,
                      GPUValidationError, HangError, LaunchError, LocalExecutionTimeoutError,
                      NodeLostError, RemoteError, RunCancelledError, RunError, RunTimeoutError,
                      RuntimeConfigurationError, SerializationError, UserError, WorkerCrashError)
+from .options import LaunchOptions
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
-    "distributed", "DistributedFunction", "RunHandle", "runtime", "GPUType", "AcceleratorType",
+    "distributed", "ray_launch", "ray_init", "DistributedFunction", "RunHandle", "runtime",
+    "compute", "GPUType", "AcceleratorType", "LaunchOptions", "RayCluster",
     "GpulaunchError", "UserError", "ConfigurationError", "RuntimeConfigurationError",
     "GPUValidationError", "GPUTypeError", "ArgumentError", "SerializationError", "RunError",
     "WorkerCrashError", "RemoteError", "RunTimeoutError", "LocalExecutionTimeoutError",
-    "HangError", "RunCancelledError", "LaunchError", "NodeLostError", "RayCluster",
+    "HangError", "RunCancelledError", "LaunchError", "NodeLostError",
 ]

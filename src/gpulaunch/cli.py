@@ -16,29 +16,20 @@ import signal
 import sys
 import time
 
-from . import errors
-from .launch import fitcheck, hardware, rundir
-from .launch.logstream import LogStreamer, tail_text
-from .launch.rundir import RunDir, read_json
-from .launch.spec import resolve
+from . import errors, options
+from .caller.logstream import LogStreamer, tail_text
+from .common import rundir
+from .common.records import Entry, RunState
+from .common.rundir import RunDir, read_json
+from .hardware import host as hardware
 
 
 def _add_run(sub) -> None:
     p = sub.add_parser("run", help="run a script, module or command on every GPU (or CPU workers)",
                        description="Start N ranks with torchrun's environment (RANK, LOCAL_RANK, "
-                                   "WORLD_SIZE, MASTER_ADDR, ...) and stream their logs.")
-    p.add_argument("--gpus", "--nproc-per-node", "--nproc_per_node", dest="gpus", default=None,
-                   help="ranks on this host (default: every GPU; 2 CPU workers without a GPU)")
-    p.add_argument("--gpu-type", default=None, help="refuse unless the host has this GPU type")
-    p.add_argument("--timeout", type=float, default=None, help="seconds before every rank is stopped")
-    p.add_argument("--hang-timeout", type=float, default=None,
-                   help="seconds without progress before the run is declared hung")
-    p.add_argument("--max-restarts", "--max_restarts", type=int, default=0)
-    p.add_argument("--shutdown-grace", type=float, default=5.0)
-    p.add_argument("--logs", default="all", help="which ranks to print: all, rank0, none, or 0,2")
-    p.add_argument("--plan", default=None, metavar="KEY=VALUE,...",
-                   help="check GPU memory before starting, e.g. model=llama-3.1-8b,strategy=fsdp,"
-                        "seq_len=4096 (keys of `gpulaunch plan`; refuses a strategy that would not fit)")
+                                   "WORLD_SIZE, MASTER_ADDR, ...) and stream their logs. Every "
+                                   "setting has the same default as in the Python API.")
+    options.add_cli_arguments(p)           # --gpus, --timeout, --hang-timeout, ... (LaunchOptions)
     p.add_argument("--nnodes", default="1", help="only 1 here (multi-node runs use Ray)")
     p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
     p.add_argument("--no-tracking", action="store_true",
@@ -52,93 +43,45 @@ def _add_run(sub) -> None:
                    help="script.py [args] | -m module [args] | -- command [args]")
 
 
-def _parse_logs(value: str):
-    if value in ("all", "rank0", "none"):
-        return value
-    try:
-        return tuple(int(v) for v in value.split(","))
-    except ValueError:
-        raise errors.ConfigurationError(f"--logs must be all, rank0, none or ranks like 0,2; "
-                                        f"got {value!r}") from None
-
-
-def _parse_plan(value: str | None) -> dict | None:
-    """'model=llama-3.1-8b,strategy=fsdp,seq_len=4096' -> the plan= dict of @distributed."""
-    if not value:
-        return None
-    out: dict = {}
-    for item in value.split(","):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise errors.ConfigurationError(f"--plan takes KEY=VALUE pairs separated by commas, e.g. "
-                                            f"model=llama-3.1-8b,strategy=fsdp; got {item!r}")
-        raw = raw.strip()
-        low = raw.lower()
-        if low in ("true", "false"):
-            v: object = low == "true"
-        else:
-            try:
-                v = int(raw)
-            except ValueError:
-                v = raw
-        out[key.strip().replace("-", "_")] = v
-    return fitcheck.validate(out)
-
-
-def _entry_from(args) -> dict:
+def _entry_from(args) -> Entry:
     target = list(args.target)
     if target and target[0] == "--":
         target = target[1:]
         if not target:
             raise errors.ConfigurationError("nothing to run after --")
-        return {"kind": "exec", "argv": target}
+        return Entry("exec", tuple(target))
     if not target:
         raise errors.ConfigurationError("gpulaunch run needs a script, -m module, or -- command")
     if args.module:
-        return {"kind": "module", "argv": target}
+        return Entry("module", tuple(target))
     if args.no_python:
-        return {"kind": "exec", "argv": target}
+        return Entry("exec", tuple(target))
     if target[0] == "-m" and len(target) > 1:
-        return {"kind": "module", "argv": target[1:]}
+        return Entry("module", tuple(target[1:]))
     if not os.path.exists(target[0]):
         raise errors.ConfigurationError(f"script {target[0]!r} not found (for a module use -m, "
                                         "for another program put it after --)")
-    return {"kind": "script", "argv": target}
+    return Entry("script", tuple(target))
 
 
 def cmd_run(args) -> int:
-    from .backends.local.launcher import LocalRun
+    from .caller.handle import RunHandle
+    from .caller.pipeline import launch
+    from .tracking import Tracking
     if str(args.nnodes) not in ("1", "1:1"):
         raise errors.ConfigurationError("gpulaunch run starts ranks on this host only; for several "
                                         "machines use @distributed(remote=True) on a Ray cluster.")
-    gpus = None if args.gpus in (None, "auto", "gpu") else int(args.gpus)
-    spec = resolve(hardware.detect(), gpus=gpus, gpu_type=args.gpu_type, timeout=args.timeout,
-                   hang_timeout=args.hang_timeout, max_restarts=args.max_restarts,
-                   shutdown_grace=args.shutdown_grace, stream_logs=_parse_logs(args.logs))
-    entry = _entry_from(args)
-    fit = fitcheck.check_launch(_parse_plan(args.plan), spec, hardware.detect())
-    label = os.path.basename(entry["argv"][0])
-    run = rundir.create(label)
-    if not os.environ.get("GPULAUNCH_QUIET"):
-        kind = "CPU worker processes (gloo)" if spec.device == "cpu" else "GPU ranks (nccl)"
-        print(f"gpulaunch: run {run.run_id}: {spec.world_size} {kind}", flush=True)
-        if fit is not None:
-            print(f"gpulaunch: plan: {fit.message}", flush=True)
-    # tracking hook: the MLflow run of this launch (gpulaunch.tracking; None when off)
-    from .tracking import Tracking
-    from .tracking.caller import begin as begin_tracking
     tracking = Tracking(enabled=False) if args.no_tracking else \
         Tracking(experiment=args.experiment, run_name=args.run_name)
-    tracker = begin_tracking(tracking, run, label=label, spec=spec, entry=entry)
-    local = LocalRun(spec, run, entry, label=label, stream=True, tracker=tracker).start()
+    opts = options.from_cli(args, tracking=tracking)
+    entry = _entry_from(args)
+    run = launch(opts, entry, label=os.path.basename(entry.argv[0]), stream=True)
+    handle = RunHandle(run, background=False)
     try:
-        local.wait()
+        handle.follow()
     except KeyboardInterrupt:
-        local.stop("cancelled")
         print("gpulaunch: interrupted; every rank was stopped", file=sys.stderr)
         return 130
-    try:
-        local.outcome()
     except errors.RunError as e:
         print(f"gpulaunch: {e}", file=sys.stderr)
         code = e.exit_code
@@ -161,30 +104,38 @@ def _runs(limit: int) -> list[RunDir]:
 
 
 def _state(run: RunDir) -> str:
-    status = run.status()
-    state = status.get("state", "?")
+    """A run's state as far as its files say: the caller's verdict when it wrote one (it also
+    knows TIMED_OUT / CANCELLED), else the Ray job's or the agent's."""
     final = (read_json(run.path / "tracking.json", {}) or {}).get("state")
-    if final:                       # the caller's verdict: it also knows TIMED_OUT/CANCELLED
+    if final:
         return final
-    if state in ("STARTING", "RUNNING", "RESTARTING") and status.get("agent_pid"):
-        from .launch.procutil import pid_alive
-        if not pid_alive(int(status["agent_pid"])):
-            return "DIED"           # its agent was killed without writing an end state
-    return state
+    job = run.job()
+    if job is not None:
+        return str(job.state)
+    status = run.status()
+    if not status.state.terminal and status.agent_pid:
+        from .common.procutil import pid_alive
+        if not pid_alive(int(status.agent_pid)):
+            return str(RunState.DIED)   # its agent was killed without writing an end state
+    return str(status.state)
 
 
 def cmd_runs(args) -> int:
     rows = []
     for run in _runs(args.limit):
-        launch, status = run.launch(), run.status()
-        start = launch.get("started")
-        end = status.get("ended")
-        row = (run.run_id, launch.get("label", "?"),
+        try:
+            record = run.launch()
+        except (TypeError, ValueError, KeyError):
+            record = None                # a run directory of another gpulaunch version
+        status = run.status()
+        start = record.started if record else None
+        end = status.ended
+        row = (run.run_id, record.label if record else "?",
                _dt.datetime.fromtimestamp(start).strftime("%Y-%m-%d %H:%M:%S") if start else "?",
                f"{end - start:.1f}s" if start and end else "-",
-               str(launch.get("world_size", "?")), _state(run))
+               str(record.world_size) if record else "?", _state(run))
         if args.long:
-            mlflow_id = status.get("mlflow_run_id") or \
+            mlflow_id = status.extensions.get("mlflow_run_id") or \
                 (read_json(run.path / "tracking.json", {}) or {}).get("run_id") or "-"
             row += (mlflow_id,)
         rows.append(row)
@@ -218,7 +169,8 @@ def _find_run(ref: str) -> RunDir:
 
 def cmd_logs(args) -> int:
     run = _find_run(args.run)
-    world = int(run.launch().get("world_size", 1))
+    record = run.launch()
+    world = record.world_size if record else 1
     if args.rank is not None and not 0 <= args.rank < world:
         raise errors.ConfigurationError(f"--rank {args.rank}: run {run.run_id} has ranks "
                                         f"0..{world - 1}")
@@ -240,8 +192,7 @@ def cmd_logs(args) -> int:
                 for r in ranks:
                     streamer.watch(r, run.rank_file(a, r, "log"))
             streamer.pump()
-            if _state(run) in ("SUCCEEDED", "FAILED", "STOPPED", "AGENT_ERROR", "DIED",
-                               "CANCELLED", "TIMED_OUT"):
+            if RunState(_state(run)).terminal:
                 streamer.pump(final=True)
                 return 0
             time.sleep(0.2)

@@ -17,10 +17,13 @@ import datetime
 import os
 import socket
 
+from .common.constants import PG_TIMEOUT_S as DEFAULT_PG_TIMEOUT_S
 from .errors import ConfigurationError
-from .launch.watchdog import heartbeat  # noqa: F401 - re-exported
+from .rank.watchdog import heartbeat
 
-DEFAULT_PG_TIMEOUT_S = 1800.0
+__all__ = ["get_global_rank", "get_local_rank", "get_world_size", "get_local_world_size",
+           "get_node_rank", "get_replica_rank", "get_restart_count", "get_run_dir", "is_main",
+           "print0", "device", "init", "barrier", "shutdown", "heartbeat"]
 
 
 def _env_int(name: str, default: int) -> int:

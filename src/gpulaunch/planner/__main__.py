@@ -1,5 +1,5 @@
 import sys
 
-from .cli import run
+from .command import run
 
 sys.exit(run())

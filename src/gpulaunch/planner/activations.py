@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .setup import TrainingSetup
+from .training_setup import TrainingSetup
 from .shapes import ModelShape
 
 # How the model's tensors are laid out while computing (chosen per technique by memory.py).

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import activations as act
-from .setup import OPTIMIZERS, TrainingSetup
+from .training_setup import OPTIMIZERS, TrainingSetup
 from .shapes import ModelShape
 
 MiB = 1 << 20

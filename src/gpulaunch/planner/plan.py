@@ -3,10 +3,10 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 
-from . import hardware, memory, timing
+from . import memory, timing
 from .inputs import resolve_model
 from .memory import OFFLOADABLE, STRATEGIES, Technique
-from .setup import TrainingSetup
+from .training_setup import TrainingSetup
 from .shapes import ModelShape
 
 GiB = 1 << 30
@@ -80,7 +80,7 @@ class Plan:
         return d
 
     def __str__(self) -> str:
-        from .report import render
+        from .table import render
         return render(self)
 
 
@@ -103,7 +103,7 @@ def plan(model, *, micro_batch_size: int = 1, seq_len: int = 2048, precision: st
         raise ValueError(f"nodes must be >= 1, got {nodes}")
     spec, detected = _machine(gpu, gpu_memory_bytes)
     if gpus_per_node is None:
-        gpus_per_node = detected.count if detected else 1
+        gpus_per_node = len(detected.gpus) if detected else 1
     if gpus_per_node < 1:
         raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
     mem = gpu_memory_bytes or spec.memory_bytes
@@ -144,23 +144,23 @@ def choose_strategy(model, **kwargs) -> tuple[str, str]:
 
 
 def _machine(gpu, gpu_memory_bytes):
+    """The GPU model to plan for (and the GPUs found here, when none was named)."""
+    from ..hardware import catalog, host
     detected = None
     if gpu is not None:
-        spec = hardware.gpu_spec(gpu)
+        spec = catalog.model_for(gpu)
     else:
-        detected = hardware.detect()
-        if detected is not None:
-            try:
-                spec = hardware.gpu_spec(detected.name)
-            except ValueError:   # unknown model: use its memory, H100-like speed for relative times
-                spec = hardware.GPUS["H100"]
-            spec = hardware.GpuSpec(spec.name, detected.memory_bytes, spec.bf16_tflops, spec.intra_node_gbps,
-                                    spec.inter_node_gbps, spec.host_link_gbps)
+        found = host.detect()
+        if found.has_gpu:
+            detected = found
+            g = found.gpus[0]
+            # an unknown model: its memory, H100-like speed for relative times
+            spec = (g.model or catalog.MODELS["H100"]).with_memory(g.memory_bytes)
         elif gpu_memory_bytes:
-            spec = hardware.GPUS["H100"]
+            spec = catalog.MODELS["H100"]
         else:
             raise ValueError("no GPU detected here: pass gpu= (e.g. 'H100', 'A10'; one of "
-                             f"{', '.join(hardware.GPUS)}) or gpu_memory_bytes=")
+                             f"{', '.join(catalog.MODELS)}) or gpu_memory_bytes=")
     return spec, detected
 
 

@@ -6,9 +6,9 @@ seconds assume MODEL_FLOPS_UTILIZATION, measured at ~0.39-0.46 for a 1B Llama on
 """
 from __future__ import annotations
 
-from .hardware import GpuSpec
+from ..hardware.catalog import GPUModel as GpuSpec
 from .memory import Technique
-from .setup import TrainingSetup
+from .training_setup import TrainingSetup
 from .shapes import ModelShape
 
 MODEL_FLOPS_UTILIZATION = 0.40

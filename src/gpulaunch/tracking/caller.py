@@ -22,7 +22,7 @@ import threading
 import time
 from pathlib import Path
 
-from ..launch.rundir import RunDir, hostname, read_json, write_json_atomic
+from ..common.rundir import RunDir, hostname, read_json, write_json_atomic
 from . import settings
 from .settings import Tracking
 
@@ -192,8 +192,8 @@ class CallTracker:
             self._publish(None)
 
     def _tags(self) -> dict[str, str]:
-        kind = self.entry.get("kind", "function")
-        source = self.label if kind == "function" else " ".join(self.entry.get("argv", []))
+        kind = self.entry.kind
+        source = self.label if kind == "function" else " ".join(self.entry.argv)
         tags = {"gpulaunch.run_id": self.run.run_id, "gpulaunch.run_dir": str(self.run.path),
                 "gpulaunch.entry": kind, "mlflow.source.name": source[:500],
                 "mlflow.source.type": "LOCAL", "host": hostname()}
@@ -214,7 +214,7 @@ class CallTracker:
         values = {"world_size": s.world_size, "nproc_per_node": s.nproc_per_node,
                   "nnodes": s.nnodes, "device": s.device, "backend": s.backend,
                   "gpu_type": gpu or ("cpu" if s.device == "cpu" else "unknown"),
-                  "function": self.label, "entry": self.entry.get("kind", "function"),
+                  "function": self.label, "entry": self.entry.kind,
                   "timeout": s.timeout, "max_restarts": s.max_restarts, "remote": s.remote,
                   "run_dir": str(self.run.path)}
         # Prefixed: MLflow params are write-once, and HF/Lightning log their own names.
@@ -231,7 +231,7 @@ class CallTracker:
         return f"view: mlflow ui --backend-store-uri {uri}"
 
     # ------------------------------------------------------------------ end
-    def end(self, state: str) -> None:
+    def end(self, state: str, run=None) -> None:
         """Upload logs and the status/error report, plot the curves, set the final status.
         Bounded in time; never raises."""
         if self._ended:
@@ -240,7 +240,7 @@ class CallTracker:
         info = self.wait_ready(self.timeout)
         if not info:
             return
-        _bounded(lambda: self._collect(info["run_id"], state, info["tracking_uri"]),
+        _bounded(lambda: self._collect(info["run_id"], state, info["tracking_uri"], run),
                  self.timeout, "uploading logs and plots")
         status = _STATUS.get(state, "FAILED")
         # The status on its own, after the uploads: slow artifacts never leave it RUNNING.
@@ -249,13 +249,13 @@ class CallTracker:
         _merge_json(self.run.path / TRACKING_JSON, {"status": status, "state": state,
                                                     "ended": time.time()})
 
-    def _collect(self, run_id: str, state: str, uri: str) -> None:
+    def _collect(self, run_id: str, state: str, uri: str, run=None) -> None:
         client = self._client
         client.set_tag(run_id, "gpulaunch.state", state)
         self._log_recorded_params(client, run_id)
         self._log_handed_off_system_metrics(client, run_id)
         if self.cfg.log_artifacts:
-            self._upload(client, run_id, state)
+            self._upload(client, run_id, state, run)
         if self.cfg.plot:
             from .plots import plot_metrics
             try:
@@ -289,10 +289,10 @@ class CallTracker:
             for i in range(0, len(metrics), 900):      # MLflow takes 1000 per batch
                 client.log_batch(run_id, metrics=metrics[i:i + 900])
 
-    def _upload(self, client, run_id: str, state: str) -> None:
+    def _upload(self, client, run_id: str, state: str, backend_run=None) -> None:
         run = self.run
-        if state != "SUCCEEDED":
-            report = _error_report(self, state)
+        if state != "SUCCEEDED" and backend_run is not None:
+            report = _error_report(backend_run)
             if report:
                 (run.path / "error.txt").write_text(report)
         for name in ("status.json", "launch.json", "agent.log", "hang.json", "error.txt",
@@ -330,14 +330,11 @@ def _sqlite_create_lock(uri: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _error_report(tracker: CallTracker, state: str) -> str:
+def _error_report(backend_run) -> str:
     """The same error text the caller is about to raise, for the run's artifacts."""
-    from ..launch import report
-    spec = tracker.spec
-    reason = {"TIMED_OUT": "timeout", "CANCELLED": "cancelled"}.get(state)
+    from ..caller.outcome import settle
     try:
-        report.raise_for_run(tracker.run, reason=reason, timeout=spec.timeout,
-                             world_size=spec.world_size)
+        settle(backend_run.outcome())
     except BaseException as e:  # noqa: BLE001 - this is the point
         import traceback
         # Without the caller's frames: the rank's traceback is chained in as the cause.
@@ -352,16 +349,3 @@ def _merge_json(path: Path, extra: dict) -> None:
         write_json_atomic(path, data)
     except OSError:
         pass
-
-
-def begin(tracking, run: RunDir, *, label: str, spec, entry: dict) -> CallTracker | None:
-    """A tracker for this launch, or None when tracking is off. Raises only for a user error
-    (``tracking=True`` without mlflow); everything after that is guarded."""
-    cfg = settings.normalize(tracking)
-    if not settings.enabled(cfg):
-        return None
-    try:
-        return CallTracker(cfg, run, label=label, spec=spec, entry=entry)
-    except Exception as e:  # noqa: BLE001
-        warn_once("could not start", f"{type(e).__name__}: {e}")
-        return None

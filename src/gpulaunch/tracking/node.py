@@ -1,6 +1,7 @@
 """The node agent's side of tracking: give the ranks the run's MLflow ids, sample the node.
 
-Called from ``backends/local/agent.py`` before the ranks start. With the ids in the
+The node agent calls ``node_hook`` (a launch-record extension, ``backends.local.node_hooks``)
+before the ranks start. With the ids in the
 environment, ``mlflow.log_metric`` in a rank, HF ``report_to="mlflow"`` (it honours
 ``MLFLOW_RUN_ID``) and Lightning's ``MLFlowLogger(run_id=gpulaunch.tracking.run_id())`` all
 write into the run the caller created. Nothing here imports MLflow in the agent's main thread.
@@ -12,7 +13,7 @@ import os
 import sys
 import time
 
-from ..launch.rundir import RunDir, read_json
+from ..common.rundir import RunDir, read_json
 
 RUN_ID_ENV = "GPULAUNCH_MLFLOW_RUN_ID"   # MLflow deletes MLFLOW_RUN_ID once it resumes the run
 
@@ -22,10 +23,10 @@ def _log(msg: str) -> None:
     sys.stderr.flush()
 
 
-def resolve_info(launch: dict, run: RunDir) -> dict | None:
-    """The run's ids from launch.json, or from tracking.json once the caller wrote it."""
-    info = launch.get("tracking")
-    if not info:
+def resolve_info(info: dict, run: RunDir) -> dict | None:
+    """The run's ids from the launch record's fields, or from tracking.json once the caller
+    wrote it."""
+    if not info or info.get("disabled"):
         return None
     pending = info.get("pending")
     if pending:
@@ -53,13 +54,21 @@ def worker_env(info: dict) -> dict[str, str]:
 
 
 class NodeTracking:
-    """What ``setup()`` started on this node; ``stop()`` at the agent's exit."""
+    """What ``node_hook()`` prepared on this node (the agent calls ``env()``, then
+    ``on_ranks_started()``, ``stop()`` at its exit)."""
 
     def __init__(self, info: dict, logger=None):
         self.info = info
         self.logger = logger
 
-    def start_sampler(self) -> None:
+    def env(self) -> dict[str, str]:
+        return dict(worker_env(self.info), MLFLOW_DISABLE_TELEMETRY=os.environ.get(
+            "MLFLOW_DISABLE_TELEMETRY", "true"))
+
+    def status_fields(self) -> dict[str, str]:
+        return {"mlflow_run_id": self.info["run_id"]}
+
+    def on_ranks_started(self) -> None:
         """Start the system-metrics thread. The agent calls this once its ranks are running:
         ranks are forked from the agent, and a fork taken while this thread imports MLflow (or
         holds stderr's lock) would hand the child locks that nobody will ever release."""
@@ -75,28 +84,25 @@ def handoff_name(node_rank: int) -> str:
     return f"system_metrics.node{node_rank}.json"
 
 
-def setup(launch: dict, run: RunDir, node_rank: int) -> NodeTracking | None:
-    """Export the run's ids to the ranks' environment and prepare the system-metrics thread
-    (``NodeTracking.start_sampler()`` starts it, after the ranks are forked).
-    Never raises: a problem here costs the run its tracking, not its training."""
+def node_hook(record, run: RunDir, fields: dict, node_rank: int) -> NodeTracking | None:
+    """Prepare this node's share of the run's tracking (the ids for the ranks, the
+    system-metrics thread started once the ranks are forked). Never raises: a problem here
+    costs the run its tracking, not its training."""
     try:
-        info = resolve_info(launch, run)
+        info = resolve_info(fields, run)
         if info is None:
             return None
-        os.environ.update(worker_env(info))
         os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
         logger = None
         interval = info.get("system_metrics_interval")
         if interval:
             from .system import SystemMetricsLogger
-            nproc = int((launch.get("spec") or {}).get("nproc_per_node") or 0) or None
             # The caller shares this run directory (a local run): samples the agent could not
             # log before it exits go to the caller there. Nodes of a Ray run log their own.
-            shared = bool((launch.get("tracking") or {}).get("pending"))
-            handoff = run.path / handoff_name(node_rank) if shared else None
+            handoff = run.path / handoff_name(node_rank) if fields.get("pending") else None
             logger = SystemMetricsLogger(info["run_id"], info["tracking_uri"], node_rank,
-                                         float(interval), nproc=nproc, log=_log,
-                                         handoff=handoff)
+                                         float(interval), nproc=record.spec.nproc_per_node,
+                                         log=_log, handoff=handoff)
         return NodeTracking(info, logger)
     except Exception as e:  # noqa: BLE001
         _log(f"disabled on this node: {type(e).__name__}: {e}")

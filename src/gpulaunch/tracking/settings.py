@@ -11,7 +11,7 @@ import os
 import sys
 
 from ..errors import ConfigurationError
-from ..launch import rundir
+from ..common import rundir
 
 ENV_SWITCH = "GPULAUNCH_TRACKING"             # 0/false/off: never track; 1/true/on: must track
 ENV_INTERVAL = "GPULAUNCH_SYSTEM_METRICS_INTERVAL"

@@ -19,7 +19,7 @@ import time
 
 import psutil
 
-from ..launch import procutil
+from ..common import procutil
 
 PREFIX = "system"
 
@@ -228,7 +228,7 @@ class SystemMetricsLogger:
                     pass
         if not samples:
             return True
-        from ..launch.rundir import write_json_atomic
+        from ..common.rundir import write_json_atomic
         try:
             write_json_atomic(self.handoff, {"run_id": self.run_id, "samples": [
                 {"timestamp": ms, "step": st, "values": values} for ms, st, values in samples]})

@@ -35,14 +35,10 @@ import subprocess
 import sys
 import threading
 
-ENV_SWITCH = "GPULAUNCH_STANDBY"
-ACK_TIMEOUT_S = 10.0     # a live standby acknowledges a run within milliseconds
+from ...common import constants
 
-# Variables that only take effect when an interpreter (or a library at load time) starts; a
-# process started earlier would silently not see a new value. (The agent uses the same list to
-# choose spawn over fork for ranks whose env= sets one.)
-STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_",
-                        "PYTORCH_")
+ENV_SWITCH = "GPULAUNCH_STANDBY"
+STARTUP_ENV_PREFIXES = constants.STARTUP_ENV_PREFIXES
 
 
 def enabled() -> bool:
@@ -71,7 +67,7 @@ class StandbyAgent:
                 return
             try:
                 self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "gpulaunch.backends.local.standby"],
+                    [sys.executable, "-m", "gpulaunch.backends.local.standby_process"],
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                     start_new_session=True, env=env, close_fds=True,
                     bufsize=0)   # unbuffered: select() on the pipe must see every line
@@ -101,7 +97,7 @@ class StandbyAgent:
             return None
         # The standby acknowledges from a thread of its own at once (even while importing).
         # No acknowledgement: it died or is stuck; the run starts cold instead.
-        if not _read_until(proc, b"ack\n", ACK_TIMEOUT_S):
+        if not _read_until(proc, b"ack\n", constants.STANDBY_ACK_TIMEOUT_S):
             _discard(proc)
             return None
         _close_quietly(proc.stdout)
@@ -110,7 +106,6 @@ class StandbyAgent:
     def wait_ready(self, timeout: float) -> bool:
         """True once the waiting standby has imported torch and the agent (it says so with one
         line on its stdout); False if there is none or it is not ready within ``timeout`` s."""
-        import select
         with self._lock:
             proc, ready = self._proc, self._ready
             if proc is None or proc.poll() is not None:
@@ -134,22 +129,25 @@ class StandbyAgent:
 
 def _read_until(proc: subprocess.Popen, line: bytes, timeout: float) -> bool:
     """Read the standby's stdout lines until ``line`` comes (True) or ``timeout`` s pass."""
-    import select
+    import selectors
     import time
     deadline = time.monotonic() + timeout
     try:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                return False
-            readable, _, _ = select.select([proc.stdout], [], [], left)
-            if not readable:
-                return False
-            got = proc.stdout.readline()
-            if not got:                       # EOF: it exited
-                return False
-            if got == line:
-                return True
+        # selectors (poll/epoll), not select(): select() fails for a descriptor above 1024,
+        # which a long-lived notebook with many open files reaches.
+        with selectors.DefaultSelector() as sel:
+            sel.register(proc.stdout, selectors.EVENT_READ)
+            while True:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                if not sel.select(left):
+                    return False
+                got = proc.stdout.readline()
+                if not got:                       # EOF: it exited
+                    return False
+                if got == line:
+                    return True
     except (OSError, ValueError):
         return False
 
@@ -176,54 +174,3 @@ STANDBY = StandbyAgent()
 atexit.register(STANDBY.close)
 
 
-# ------------------------------------------------------------------ the standby process
-def _read_request(got: threading.Event, box: list) -> None:
-    """Read the one request line from stdin, without reading past it: after it, stdin belongs
-    to the agent's caller-death watch. EOF first (the caller ended or discarded us): exit."""
-    data = b""
-    try:
-        while not data.endswith(b"\n"):
-            chunk = os.read(0, 1 << 16)
-            if not chunk:
-                os._exit(0)
-            data += chunk
-    except OSError:
-        os._exit(0)
-    box.append(json.loads(data))
-    try:
-        os.write(1, b"ack\n")
-    except OSError:
-        pass
-    got.set()
-
-
-def _serve() -> None:
-    # Start listening before the slow imports, so that a caller that exits while we import
-    # torch does not leave us running for seconds.
-    got, box = threading.Event(), []
-    threading.Thread(target=_read_request, args=(got, box), daemon=True).start()
-    start_cwd = os.getcwd()
-    from . import agent                  # torch, torchelastic, the worker: the point of it all
-    try:
-        os.write(1, b"ready\n")         # for wait_ready(); fd 1 becomes the run's log below
-    except OSError:
-        pass
-    got.wait()
-    request = box[0]
-    os.environ.clear()
-    os.environ.update(request["env"])
-    cwd = request["cwd"]
-    if cwd != start_cwd:
-        os.chdir(cwd)
-        if sys.path and sys.path[0] == start_cwd:   # `python -m` put the start directory first
-            sys.path[0] = cwd
-    log = os.open(os.path.join(request["run_dir"], "agent.log"),
-                  os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    os.dup2(log, 1)
-    os.dup2(log, 2)
-    os.close(log)
-    agent.run_and_exit([request["run_dir"], "--node-rank", "0", "--watch-stdin", "--warm"])
-
-
-if __name__ == "__main__":
-    _serve()

@@ -94,7 +94,7 @@ def import_ray():
     return ray
 
 
-def _has_local_paths(runtime_env: dict | None) -> bool:
+def has_local_paths(runtime_env: dict | None) -> bool:
     if not runtime_env:
         return False
     wd = runtime_env.get("working_dir")
@@ -107,7 +107,7 @@ def connect(cluster: RayCluster) -> Any:
     """Connect this process to the cluster (once); return the ``ray`` module."""
     ray = import_ray()
     if ray.is_initialized():
-        if _has_local_paths(cluster.runtime_env):
+        if has_local_paths(cluster.runtime_env):
             raise ConfigurationError(
                 "RayCluster(runtime_env=...) names local paths (working_dir / py_modules), but "
                 "this process is already connected to Ray, and Ray uploads local paths only at "
@@ -130,3 +130,43 @@ def connect(cluster: RayCluster) -> Any:
             f"other machines), or name it with cluster='<head>:6379' or ${ADDRESS_ENV}. "
             "cluster='local' runs a private single-node Ray here.") from None
     return ray
+
+
+_ALL_INTERFACES = ("0.0.0.0", "::", "")
+
+
+def ray_init(address: str | None = None, **kwargs):
+    """``ray.init`` the way gpulaunch connects (``databricks.air.ray_init``'s counterpart).
+
+    address: as ``cluster=`` ("auto", "head:6379", "ray://...", "local"); None: from
+        $GPULAUNCH_RAY_ADDRESS, $RAY_ADDRESS, else a private local instance.
+    Everything else goes to ``ray.init``. Unlike the seed's, no dashboard is opened on all
+    interfaces: a local instance starts without one unless ``include_dashboard=True``, which
+    then listens on 127.0.0.1 (reach it through an SSH tunnel); ``dashboard_host="0.0.0.0"``
+    is refused. Returns what ``ray.init`` returns (its context, with ``dashboard_url``).
+    """
+    host = kwargs.get("dashboard_host")
+    if host is not None and host in _ALL_INTERFACES:
+        raise ConfigurationError(
+            f"ray_init(dashboard_host={host!r}) would serve Ray's dashboard (which can run "
+            "arbitrary jobs) on every network interface. Leave dashboard_host out (127.0.0.1) "
+            "and reach it with an SSH tunnel: ssh -L 8265:127.0.0.1:8265 <this host>.")
+    ray = import_ray()
+    if ray.is_initialized():
+        return ray.get_runtime_context()
+    resolved = address or os.environ.get(ADDRESS_ENV) or os.environ.get("RAY_ADDRESS") or "local"
+    if resolved == "local":
+        kwargs.setdefault("include_dashboard", False)
+        if kwargs["include_dashboard"]:
+            kwargs.setdefault("dashboard_host", "127.0.0.1")
+        resolved = None
+    try:
+        ctx = ray.init(address=resolved, **kwargs)
+    except ConnectionError as e:
+        raise LaunchError(f"Could not connect to a Ray cluster at {resolved!r}: {e}. Start one "
+                          "with `ray start --head`, or call ray_init() with no address for a "
+                          "private one on this host.") from None
+    url = getattr(ctx, "dashboard_url", None)
+    if url and not os.environ.get("GPULAUNCH_QUIET"):
+        print(f"gpulaunch: Ray dashboard at http://{url}")
+    return ctx

@@ -24,13 +24,16 @@ import socket
 import time
 from pathlib import Path
 
-from ...launch.rundir import RunDir, read_json
-from ...launch.spec import LaunchSpec
-from ..local.launcher import LocalRun, NodePlacement
+import dataclasses
+
+from ...common import constants, procutil
+from ...common.records import LaunchRecord, LaunchSpec, NodePlacement, StopReason
+from ...common.rundir import RunDir, home
+from ..local.run import LocalRun
 
 # Files a rank writes, mirrored to the caller as a whole when they change.
 WHOLE_SUFFIXES = (".info.json", ".result.pkl", ".error.pkl", ".error.json", ".stacks", ".stuck",
-                  ".stderr.log")
+                  ".stderr.log", ".nccl_trace.pkl")
 LOG_CHUNK = 4 << 20          # log bytes per file per poll
 
 
@@ -47,8 +50,7 @@ def interface_for(ip: str) -> str | None:
 
 
 def node_home() -> Path:
-    base = Path(os.environ.get("GPULAUNCH_HOME") or Path.home() / ".gpulaunch")
-    return base / "ray-nodes"
+    return home() / "ray-nodes"
 
 
 class NodeAgent:
@@ -77,38 +79,37 @@ class NodeAgent:
                 "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
-    def start(self, spec: LaunchSpec, entry: dict, label: str, payload: bytes,
-              nnodes: int, master_addr: str | None, master_port: int | None,
-              tracking: dict | None = None) -> dict:
+    def start(self, record: LaunchRecord, payload: bytes, nnodes: int,
+              master_addr: str | None, master_port: int | None) -> dict:
         """Start this node's local agent. Node 0 binds the rendezvous store on its own cluster
         IP with a port chosen here and returns it; the others connect to it (given now, or
-        later through ``set_master_port``). ``tracking``: the MLflow run's ids, created by the
-        caller; this node's agent hands them to its ranks and samples this node's metrics."""
+        later through ``set_master_port``). The record's extensions (the caller's callbacks'
+        fields, e.g. the MLflow run's ids) reach this node's agent and ranks."""
         with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
                   "wb") as f:
             f.write(payload)
-        self._set_network_env(spec)
+        self._set_network_env(record.spec)
         port_file = str(self.run.path / "master_port") if self.node_rank and not master_port \
             else None
-        node = NodePlacement(node_rank=self.node_rank, nnodes=nnodes, bind_host=self.node_ip,
-                             master_addr=master_addr, master_port=master_port or 0,
-                             master_port_file=port_file)
+        placement = NodePlacement(node_rank=self.node_rank, nnodes=nnodes,
+                                  bind_host=self.node_ip, master_addr=master_addr,
+                                  master_port=master_port or 0, master_port_file=port_file)
         # The caller enforces timeout= for the whole job, and stops every node on it.
-        local_spec = _without_timeout(spec)
-        self.local = LocalRun(local_spec, self.run, entry, label=label, stream=False, node=node,
-                              tracking_fields=tracking)
+        node_record = dataclasses.replace(record, placement=placement,
+                                          spec=_without_timeout(record.spec))
+        self.local = LocalRun(node_record, self.run, stream=False)
         self.local.start()
         if self.node_rank != 0:
             return {"master_port": master_port}
-        deadline = time.monotonic() + 120
+        deadline = time.monotonic() + constants.MASTER_PORT_WAIT_S
         while time.monotonic() < deadline:
-            port = self._status().get("master_port")
+            port = self._status().master_port
             if port:
                 return {"master_port": int(port)}
-            if self.local.step():
+            if self.local.poll():
                 break
             time.sleep(0.05)
-        self.local.stop("cancelled")
+        self.local.stop(StopReason.CANCELLED)
         tail = self.run.agent_log.read_text(errors="replace")[-3000:] \
             if self.run.agent_log.exists() else ""
         raise RuntimeError(f"node 0's agent did not open its rendezvous store; its output:\n"
@@ -132,14 +133,13 @@ class NodeAgent:
         if "OMP_NUM_THREADS" not in user:
             os.environ["OMP_NUM_THREADS"] = "1"
 
-    def _status(self) -> dict:
-        name = "status.json" if self.node_rank == 0 else f"status.node{self.node_rank}.json"
-        return read_json(self.run.path / name, {}) or {}
+    def _status(self):
+        return self.run.status(self.node_rank)
 
     def poll(self, cursors: dict) -> dict:
         """The node's state and what changed in its run directory since ``cursors``."""
-        done = self.local.step() if self.local is not None else False
-        status = self._status()
+        done = self.local.poll() if self.local is not None else False
+        status = self._status().to_data()
         files = {}
         for attempt in self.run.attempts():
             adir = self.run.attempt_dir(attempt)
@@ -171,20 +171,19 @@ class NodeAgent:
         """Have each of this node's ranks write every thread's Python stack (faulthandler on
         SIGUSR1, into ``rank<r>.stacks``): another node saw a hang, and the report must show
         where the ranks here were waiting."""
-        from ...launch import procutil
         if self.local is None:
             return []
         pids = [p for p in self.local.rank_pids() if procutil.pid_alive(p)]
         procutil.kill_pids(pids, signal.SIGUSR1)
-        time.sleep(1.0)                       # faulthandler writes from a signal handler
+        time.sleep(constants.STACK_DUMP_WAIT_S)   # faulthandler writes from a signal handler
         return pids
 
     def stop(self) -> dict:
         """Stop this node's ranks (SIGTERM, then SIGKILL after the grace period)."""
         if self.local is not None:
-            self.local.stop("cancelled")
-            return {"left": self.local.kill_leftovers(), "status": self._status()}
-        return {"left": [], "status": self._status()}
+            self.local.stop(StopReason.CANCELLED)
+            return {"left": self.local.kill_leftovers(), "status": self._status().to_data()}
+        return {"left": [], "status": self._status().to_data()}
 
     def pids(self) -> list[int]:
         """Every process of this node's share of the job (agent and ranks), for hygiene checks."""
@@ -196,7 +195,6 @@ class NodeAgent:
 
 
 def _without_timeout(spec: LaunchSpec) -> LaunchSpec:
-    import dataclasses
     return dataclasses.replace(spec, timeout=None)
 
 

@@ -15,7 +15,7 @@ import dataclasses
 import os
 import time
 
-from ...compute import GPUType, gpu_type_from_device_name
+from ...hardware.catalog import GPUType, gpu_type_from_device_name
 from ...errors import GPUTypeError, GPUValidationError, LaunchError
 
 ACCEL_PREFIX = "accelerator_type:"
@@ -179,11 +179,3 @@ def reserve(ray, layout: Layout, *, timeout: float, name: str):
             f"other work. Free now: {', '.join(free) or 'nothing'}. Retry later, or raise "
             "RayCluster(placement_timeout=...).") from None
     return pg, time.monotonic() - start
-
-
-def bundle_nodes(ray, pg) -> list[str]:
-    """Node id holding each bundle, in bundle order."""
-    from ray.util.placement_group import placement_group_table
-    table = placement_group_table(pg)
-    by_index = table.get("bundles_to_node_id") or {}
-    return [by_index.get(i, "") for i in range(len(table.get("bundles", {})))]

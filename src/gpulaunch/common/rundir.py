@@ -2,14 +2,18 @@
 agent and the ranks.
 
     <home>/runs/<run_id>/            mode 0700
-        launch.json                  what was asked (spec, entrypoint, caller, start time)
-        payload.pkl                  cloudpickled function + arguments (deleted after the call)
-        status.json                  written by the agent: state, attempt, failures, end time
+        launch.json                  LaunchRecord: what was asked (spec, entry, caller, start)
+        payload.pkl                  cloudpickled function + arguments
+        status.json                  NodeStatus of node 0 (status.node<n>.json: node n)
+        job.json                     JobStatus: a Ray run as its caller follows it
         agent.log                    the agent's own output
-        hang.json                    written when the hang watchdog fired
+        hang.json                    HangRecord: written when the hang watchdog fired
         attempt<k>/rank<r>.log       rank r's stdout+stderr for restart attempt k
-        attempt<k>/rank<r>.info.json pid, host, start time (written by the rank at start)
-        attempt<k>/rank<r>.result.pkl / .error.pkl / .error.json / .stacks / .stuck
+        attempt<k>/rank<r>.info.json RankInfo: pid, host, start time (written by the rank)
+        attempt<k>/rank<r>.result.pkl / .error.pkl (RankError) / .stuck (StuckReport) / .stacks
+        attempt<k>/rank<r>.nccl_trace.pkl   NCCL flight recorder, dumped on a hang (GPU ranks)
+
+The record types are in ``records.py``; this module only names the files and reads/writes them.
 
 ``<home>`` is ``$GPULAUNCH_HOME`` or ``~/.gpulaunch``.
 """
@@ -23,6 +27,8 @@ import secrets
 import socket
 import threading
 from pathlib import Path
+
+from .records import HangRecord, JobStatus, LaunchRecord, NodeStatus, RankInfo
 
 
 def home() -> Path:
@@ -76,12 +82,18 @@ class RunDir:
     def run_id(self) -> str:
         return self.path.name
 
+    def __repr__(self) -> str:
+        return f"RunDir({str(self.path)!r})"
+
     launch_json = property(lambda self: self.path / "launch.json")
     payload = property(lambda self: self.path / "payload.pkl")
     status_json = property(lambda self: self.path / "status.json")
     agent_log = property(lambda self: self.path / "agent.log")
     hang_json = property(lambda self: self.path / "hang.json")
-    cancel_flag = property(lambda self: self.path / "cancel")
+    job_json = property(lambda self: self.path / "job.json")          # Ray runs
+
+    def status_path(self, node_rank: int = 0) -> Path:
+        return self.status_json if node_rank == 0 else self.path / f"status.node{node_rank}.json"
 
     def attempt_dir(self, attempt: int) -> Path:
         return self.path / f"attempt{attempt}"
@@ -97,11 +109,42 @@ class RunDir:
                 out.append(int(tail))
         return sorted(out)
 
-    def status(self) -> dict:
-        return read_json(self.status_json, {}) or {}
+    # typed reads (None / a default record when the file is missing or being written)
+    def status(self, node_rank: int = 0) -> NodeStatus:
+        data = read_json(self.status_path(node_rank))
+        return NodeStatus.from_data(data) if data else NodeStatus(node_rank=node_rank)
 
-    def launch(self) -> dict:
-        return read_json(self.launch_json, {}) or {}
+    def write_status(self, status: NodeStatus) -> None:
+        write_json_atomic(self.status_path(status.node_rank), status.to_data())
+
+    def launch(self) -> LaunchRecord | None:
+        data = read_json(self.launch_json)
+        return LaunchRecord.from_data(data) if data else None
+
+    def write_launch(self, record: LaunchRecord) -> None:
+        write_json_atomic(self.launch_json, record.to_data())
+
+    def rank_info(self, attempt: int, rank: int) -> RankInfo | None:
+        data = read_json(self.rank_file(attempt, rank, "info.json"))
+        return RankInfo.from_data(data) if data else None
+
+    def job(self) -> JobStatus | None:
+        data = read_json(self.job_json)
+        return JobStatus.from_data(data) if data else None
+
+    def hang(self) -> HangRecord | None:
+        data = read_json(self.hang_json)
+        return HangRecord.from_data(data) if data else None
+
+    def rank_pids(self) -> list[int]:
+        """Every rank pid this run recorded (status and each attempt's info files)."""
+        pids = set(self.status().pids.values())
+        for attempt in self.attempts():
+            for info in self.attempt_dir(attempt).glob("rank*.info.json"):
+                pid = (read_json(info, {}) or {}).get("pid")
+                if pid:
+                    pids.add(int(pid))
+        return sorted(pids)
 
 
 def hostname() -> str:

@@ -1,4 +1,4 @@
-"""The entry point every rank runs: ``python -m gpulaunch.launch.worker RUN_DIR``.
+"""The entry point every rank runs: ``python -m gpulaunch.rank.worker RUN_DIR``.
 
 It loads the function and arguments, runs them, and writes the return value or the exception
 (with its full traceback) into the run directory. It knows nothing about which backend started
@@ -27,9 +27,11 @@ import time
 import traceback
 from pathlib import Path
 
-from . import procutil
-from .payload import exception_record
-from .rundir import RunDir, hostname, write_json_atomic
+from ..common import constants, procutil
+from ..common.payload import exception_record
+from ..common.records import RankInfo
+from ..common.rundir import RunDir, hostname, write_json_atomic
+from . import results
 
 COLLATERAL_PATTERNS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -50,7 +52,7 @@ def _write_elastic_error_file(exc: BaseException, tb: str) -> None:
     path = os.environ.get("TORCHELASTIC_ERROR_FILE")
     if not path:
         return
-    data = {"message": {"message": f"{type(exc).__name__}: {exc}",
+    data = {"message": {"message": f"{type(exc).__name__}: {_safe_str(exc)}",
                         "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
     try:
         with open(path, "w") as f:
@@ -61,7 +63,7 @@ def _write_elastic_error_file(exc: BaseException, tb: str) -> None:
 
 def _cuda_memory_report(exc: BaseException) -> str:
     torch = sys.modules.get("torch")
-    if torch is None or "out of memory" not in str(exc).lower():
+    if torch is None or "out of memory" not in _safe_str(exc).lower():
         return ""
     try:
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -135,13 +137,10 @@ def fork_entry(run_dir: str) -> None:
     main([run_dir])
 
 
-FORK_GATE_ENV = "GPULAUNCH_FORK_GATE"
-
-
 def _wait_at_fork_gate() -> None:
     """Do nothing until the agent has forked every rank (it closes the pipe's write end then;
-    see ``GpulaunchAgent._fork_workers_behind_a_gate`` for the deadlock this prevents)."""
-    gate = os.environ.pop(FORK_GATE_ENV, None)
+    see ``ElasticAgent._fork_workers_behind_a_gate`` for the deadlock this prevents)."""
+    gate = os.environ.pop(constants.FORK_GATE_ENV, None)
     if not gate:
         return
     read_end, write_end = (int(x) for x in gate.split(","))
@@ -167,15 +166,16 @@ def main(argv: list[str]) -> None:
     stacks_file = open(run.rank_file(attempt, rank, "stacks"), "w")
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
-    write_json_atomic(run.rank_file(attempt, rank, "info.json"), {
-        "rank": rank, "local_rank": int(os.environ.get("LOCAL_RANK", "0")), "pid": os.getpid(),
-        "host": host, "attempt": attempt, "started": time.time()})
+    write_json_atomic(run.rank_file(attempt, rank, "info.json"), RankInfo(
+        rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(),
+        host=host, attempt=attempt, started=time.time(),
+        node_rank=int(os.environ.get("NODE_RANK", "0"))).to_data())
 
     watchdog = None
     hang_timeout = float(os.environ.get("GPULAUNCH_HANG_TIMEOUT") or 0)
     if hang_timeout > 0:
         from .watchdog import StallWatchdog
-        watchdog = StallWatchdog(hang_timeout, str(run.rank_file(attempt, rank, "stuck")), rank)
+        watchdog = StallWatchdog(hang_timeout, run.attempt_dir(attempt), rank)
         watchdog.start()
 
     try:
@@ -187,8 +187,8 @@ def main(argv: list[str]) -> None:
         else:
             tb = _user_traceback(e)
             sys.stderr.write(tb)
-            record = exception_record(e, rank=rank, host=host, tb=tb)
-            record["exit_code"] = code
+            record = exception_record(e, rank=rank, host=host, tb=tb, exit_code=code,
+                                      time=time.time())
             _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
             _write_elastic_error_file(e, tb)
             _finish(code)
@@ -196,10 +196,10 @@ def main(argv: list[str]) -> None:
     except BaseException as e:  # noqa: BLE001 - everything must be reported
         tb = _user_traceback(e)
         sys.stderr.write(tb)
-        record = exception_record(e, rank=rank, host=host, tb=tb,
-                                  extra=_cuda_memory_report(e))
-        record["collateral"] = any(p in str(e) for p in COLLATERAL_PATTERNS)
-        record["time"] = time.time()
+        caught = time.time()      # stamped before the slow work (memory summary, pickling)
+        record = exception_record(e, rank=rank, host=host, tb=tb, time=caught,
+                                  extra=_cuda_memory_report(e),
+                                  collateral=any(p in _safe_str(e) for p in COLLATERAL_PATTERNS))
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
         _write_elastic_error_file(e, tb)
         _finish(1)
@@ -209,36 +209,35 @@ def main(argv: list[str]) -> None:
             watchdog.stop()
 
     try:
-        import cloudpickle
-        blob = cloudpickle.dumps(result, protocol=5)
+        # Tensors go to the CPU here, in the rank: the caller must never need CUDA (or the
+        # rank's device) to read a result; written straight to the file, not built in memory.
+        results.write(run.rank_file(attempt, rank, "result.pkl"), result)
     except Exception as e:  # an unpicklable return value is this rank's failure
         from ..errors import SerializationError
         err = SerializationError(
             f"Rank {rank} returned a {type(result).__module__}.{type(result).__qualname__} that "
-            f"cannot be pickled ({e}). Return plain data (numbers, dicts, lists, CPU tensors, "
+            f"cannot be pickled ({e}). Return plain data (numbers, dicts, lists, tensors, "
             "state_dicts) instead.")
         tb = "".join(traceback.format_exception(type(err), err, None))
         sys.stderr.write(tb)
-        record = exception_record(err, rank=rank, host=host, tb=tb)
-        record["time"] = time.time()
+        record = exception_record(err, rank=rank, host=host, tb=tb, time=time.time())
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
         _write_elastic_error_file(err, tb)
         _finish(1)
         return
-    _write_bytes_atomic(run.rank_file(attempt, rank, "result.pkl"), blob)
     _finish(0)
 
 
 def _entry(run: RunDir):
     """What this rank runs: the shipped function, a script, a module, or any command."""
-    entry = run.launch().get("entry", {"kind": "function"})
-    kind = entry["kind"]
+    entry = run.launch().entry
+    kind = entry.kind
     if kind == "function":
-        from .payload import load_call
+        from ..common.payload import load_call
         func, args, kwargs = load_call(run.payload)
         return lambda: func(*args, **kwargs)
     import runpy
-    argv = list(entry.get("argv", []))
+    argv = list(entry.argv)
     if kind == "script":
         def run_script():
             sys.argv = argv
@@ -266,6 +265,13 @@ def _user_traceback(exc: BaseException) -> str:
     while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
         tb = tb.tb_next
     return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
+
+
+def _safe_str(e: BaseException) -> str:
+    try:
+        return str(e)
+    except Exception:  # noqa: BLE001
+        return ""
 
 
 def _pickle(obj) -> bytes:

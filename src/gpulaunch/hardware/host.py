@@ -1,4 +1,4 @@
-"""What this host has: its GPUs (names, memory) or none, without initialising CUDA.
+"""What this host has: its GPUs (names, memory, catalog model) or none, without initialising CUDA.
 
 The caller is often a notebook kernel. Initialising CUDA there would pin memory on GPU 0 and
 make later forks unsafe, so we ask NVML (or ``nvidia-smi``) instead of ``torch.cuda``.
@@ -13,7 +13,8 @@ import os
 import shutil
 import subprocess
 
-from ..compute import GPUType, gpu_type_from_device_name
+from . import nvml
+from .catalog import GPUModel, GPUType, gpu_type_from_device_name, model_for
 
 
 @dataclasses.dataclass(frozen=True)
@@ -26,6 +27,14 @@ class GPUInfo:
     @property
     def gpu_type(self) -> GPUType | None:
         return gpu_type_from_device_name(self.name)
+
+    @property
+    def model(self) -> GPUModel | None:
+        """This GPU's catalog entry with its real memory (None for a model we do not know)."""
+        try:
+            return model_for(self.name).with_memory(self.memory_bytes)
+        except ValueError:
+            return None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,30 +58,10 @@ class HostInfo:
 
 
 def _from_nvml() -> list[GPUInfo] | None:
-    try:
-        import pynvml  # nvidia-ml-py
-    except ImportError:
+    found = nvml.devices()
+    if found is None:
         return None
-    try:
-        pynvml.nvmlInit()
-    except Exception:  # NVMLError_LibraryNotFound / DriverNotLoaded: no GPU here
-        return []
-    try:
-        out = []
-        for i in range(pynvml.nvmlDeviceGetCount()):
-            h = pynvml.nvmlDeviceGetHandleByIndex(i)
-            name = pynvml.nvmlDeviceGetName(h)
-            name = name.decode() if isinstance(name, bytes) else name
-            uuid = pynvml.nvmlDeviceGetUUID(h)
-            uuid = uuid.decode() if isinstance(uuid, bytes) else uuid
-            mem = pynvml.nvmlDeviceGetMemoryInfo(h).total
-            out.append(GPUInfo(i, name, int(mem), uuid))
-        return out
-    finally:
-        try:
-            pynvml.nvmlShutdown()
-        except Exception:
-            pass
+    return [GPUInfo(d.index, d.name, d.memory_bytes, d.uuid) for d in found]
 
 
 def _from_nvidia_smi() -> list[GPUInfo] | None:

@@ -12,7 +12,7 @@ memory, naming what would fit instead, or when nothing fits at all; with no ``st
 refuses when nothing fits. ``"on_fail": "warn"`` turns the refusal into a warning. Minutes of model
 loading followed by a CUDA out-of-memory error is exactly what this check is there to prevent.
 
-Pure: no process, no CUDA; the host's GPU names and memory come from ``launch.hardware``.
+Pure: no process, no CUDA; the host's GPU names and memory come from ``hardware.host``.
 """
 
 from __future__ import annotations
@@ -82,11 +82,11 @@ def check(plan_args: dict | None, *, gpus_per_node: int, nodes: int, gpu_name: s
     ``plan=``, or CPU workers); raises ``WontFitError`` when it does not fit (unless on_fail='warn')."""
     if plan_args is None or (gpu_name is None and gpu_memory_bytes is None):
         return None
-    from ..planner import hardware as gpu_table
+    from ..hardware.catalog import model_for
     from ..planner import plan as run_plan
 
     try:
-        gpu_table.gpu_spec(gpu_name or "")
+        model_for(gpu_name or "")
     except ValueError:
         if gpu_memory_bytes is None:
             warnings.warn(f"plan= was given but the planner does not know the GPU {gpu_name!r}: the memory "

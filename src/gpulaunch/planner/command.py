@@ -5,7 +5,8 @@ import argparse
 import json
 import sys
 
-from . import catalog, hardware
+from ..hardware.catalog import MODELS
+from . import catalog
 
 GiB = 1 << 30
 
@@ -32,7 +33,7 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--activation-checkpointing", "--ac", action="store_true")
     p.add_argument("--gpus-per-node", type=int, default=None, help="default: GPUs detected here, else 1")
     p.add_argument("--nodes", type=int, default=1)
-    p.add_argument("--gpu", default=None, help=f"GPU type when not detected: {', '.join(hardware.GPUS)}")
+    p.add_argument("--gpu", default=None, help=f"GPU type when not detected: {', '.join(MODELS)}")
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--strategies", default=None, help="comma list, e.g. ddp,fsdp,zero3+offload")
     p.add_argument("--no-offload", action="store_true", help="leave out the CPU-offload variants")

@@ -26,6 +26,7 @@ from pathlib import Path
 import cloudpickle
 
 from ..errors import SerializationError
+from .records import RankError
 
 DEFAULT_MAX_ARG_BYTES = 1 << 30   # 1 GiB: past this, load the data inside the function
 
@@ -202,8 +203,9 @@ def load_call(path: Path):
 
 # ----------------------------------------------------------------------- errors as data
 def exception_record(exc: BaseException, *, rank: int, host: str, tb: str | None = None,
-                     extra: str = "") -> dict:
-    """What a rank writes when its function raised: enough to rebuild or describe the error."""
+                     extra: str = "", **fields) -> RankError:
+    """What a rank writes when its function raised: enough to rebuild or describe the error.
+    An exception whose ``__str__`` raises is still reported, by its type."""
     if tb is None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
@@ -211,11 +213,10 @@ def exception_record(exc: BaseException, *, rank: int, host: str, tb: str | None
         cloudpickle.loads(blob)  # make sure the caller will be able to rebuild it
     except Exception:
         blob = None
-    return {
-        "type": f"{type(exc).__module__}.{type(exc).__qualname__}",
-        "message": str(exc),
-        "traceback": tb + (f"\n{extra}" if extra else ""),
-        "exception": blob,
-        "rank": rank,
-        "host": host,
-    }
+    try:
+        message = str(exc)
+    except Exception as e:  # noqa: BLE001
+        message = f"<str() of the exception failed: {type(e).__name__}>"
+    return RankError(type=f"{type(exc).__module__}.{type(exc).__qualname__}", message=message,
+                     traceback=tb + (f"\n{extra}" if extra else ""), rank=rank, host=host,
+                     exception=blob, **fields)

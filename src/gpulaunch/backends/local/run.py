@@ -1,0 +1,215 @@
+"""Caller side of a single-host run (``Run`` protocol): start the node agent, follow it, stop
+it, report its outcome.
+
+The caller never imports torch for this and never runs anything of the user's: it starts one
+agent process (``agent.py``) in a new session with a pipe on its stdin, tails the ranks' log
+files, enforces ``timeout=``, and on the way out makes sure no process of the run survives.
+A Ray node actor uses the same class for its node's share of a job (``stream=False``, a
+``NodePlacement`` in the record, no callbacks: the Ray caller has them).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+from ...caller import collect
+from ...caller.logstream import LogStreamer
+from ...caller.registry import ACTIVE
+from ...common import constants, procutil
+from ...common.records import LaunchRecord, RunState, StopReason
+from ...common.rundir import RunDir
+from ...errors import ConfigurationError
+from .standby import STANDBY
+
+_PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding "gpulaunch/"
+
+
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The caller's environment, plus gpulaunch importable in the children (dev checkouts)."""
+    env = dict(os.environ)
+    paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    if _PACKAGE_ROOT not in paths:
+        env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + paths)
+    if extra:
+        env.update(extra)
+    return env
+
+
+def describe_local(spec) -> str:
+    """The announcement of a run on this host."""
+    if spec.device == "cpu":
+        return f"{spec.world_size} CPU worker processes (no GPU on this host; gloo backend)"
+    what = (f"{spec.world_size} GPU rank(s) "
+            f"({spec.gpu_type.name if spec.gpu_type else 'GPU'}, nccl)")
+    if spec.world_size == 1:
+        what += "; @distributed is meant for several GPUs, this runs one"
+    return what
+
+
+class LocalRun:
+    """One run on this host."""
+
+    poll_interval = constants.POLL_LOCAL_S
+
+    def __init__(self, record: LaunchRecord, run: RunDir, *, callbacks=None,
+                 stream: bool = True, write=None, standby: bool = False):
+        self.record = record
+        self.spec = record.spec
+        self.run = run
+        self.label = record.label
+        self.callbacks = callbacks
+        # Use (and afterwards restart) a standby agent with torch imported (standby.py): for
+        # callers that launch again and again, never for a node of a multi-node job.
+        self.standby = standby and record.placement.nnodes == 1
+        self.reason: StopReason | None = None
+        self.proc: subprocess.Popen | None = None
+        self.finished = False
+        self._lock = threading.RLock()
+        self._attempt_seen = -1
+        self._deadline: float | None = None
+        self._oom_start = collect.oom_kill_count()
+        self.streamer = LogStreamer(show=self.spec.shows_rank, write=write) if stream else None
+
+    def describe(self) -> str:
+        return describe_local(self.spec)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> "LocalRun":
+        method = os.environ.get("GPULAUNCH_START_METHOD", "").strip().lower()
+        if method not in ("", "fork", "spawn"):
+            raise ConfigurationError(f"GPULAUNCH_START_METHOD={method!r}: use 'fork' (the default: "
+                                     "ranks forked from the agent) or 'spawn' (fresh interpreters).")
+        import dataclasses
+        self.record = dataclasses.replace(self.record, started=time.time())
+        self.run.write_launch(self.record)
+        env = child_env()
+        if self.standby:
+            self.proc = STANDBY.take(str(self.run.path), env, os.getcwd())
+        if self.proc is None:
+            with open(self.run.agent_log, "wb") as agent_log:
+                self.proc = subprocess.Popen(
+                    [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
+                     "--node-rank", str(self.record.placement.node_rank), "--watch-stdin"],
+                    stdin=subprocess.PIPE, stdout=agent_log, stderr=subprocess.STDOUT,
+                    start_new_session=True, env=env, close_fds=True)
+        if self.spec.timeout is not None:
+            self._deadline = time.monotonic() + self.spec.timeout
+        return self
+
+    def poll(self) -> bool:
+        """Stream new log lines, enforce the timeout; True once the run has ended."""
+        with self._lock:
+            if self.finished:
+                return True
+            self._follow_attempts()
+            if self.streamer:
+                self.streamer.pump()
+            if self.proc.poll() is not None:
+                self._finalize()
+                return True
+            if self._deadline is not None and time.monotonic() > self._deadline:
+                self.stop(StopReason.TIMEOUT)
+                return True
+            return False
+
+    step = poll   # the Ray node actor's spelling
+
+    def pause(self, seconds: float) -> None:
+        """Sleep between polls, but wake as soon as the agent exits (the end of every run)."""
+        try:
+            self.proc.wait(seconds)
+        except subprocess.TimeoutExpired:
+            pass
+
+    def stop(self, reason: StopReason) -> None:
+        """Stop every process of the run: SIGTERM the agent (it stops the ranks with the
+        grace period), then SIGKILL anything still there."""
+        with self._lock:
+            if self.finished:
+                return
+            self.reason = self.reason or StopReason(reason)
+            if self.proc is not None and self.proc.poll() is None:
+                try:
+                    os.kill(self.proc.pid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    self.proc.wait(self.spec.shutdown_grace + constants.AGENT_STOP_EXTRA_S)
+                except subprocess.TimeoutExpired:
+                    procutil.kill_process_groups([self.proc.pid], signal.SIGKILL)
+                    self.proc.wait()
+            self._finalize()
+
+    def _finalize(self) -> None:
+        self.finished = True
+        ACTIVE.discard(self)
+        if self.proc is not None:
+            try:
+                self.proc.stdin.close()
+            except OSError:
+                pass
+        self._follow_attempts()
+        if self.streamer:
+            self.streamer.pump(final=True)
+        self.kill_leftovers()
+        if self.callbacks is not None:
+            self.callbacks.on_end(self, self.state)
+        if self.standby:
+            STANDBY.replenish(child_env())  # the next run's agent, importing torch meanwhile
+
+    def kill_leftovers(self) -> list[int]:
+        """Any rank (or a rank's child) still alive after its agent ended is killed now."""
+        left = [p for p in self.run.rank_pids() if procutil.pid_alive(p)]
+        if left:
+            procutil.kill_process_groups(left, signal.SIGKILL)
+        return left
+
+    def rank_pids(self) -> list[int]:
+        return self.run.rank_pids()
+
+    def _follow_attempts(self) -> None:
+        attempts = self.run.attempts()
+        if not attempts or attempts[-1] == self._attempt_seen:
+            return
+        latest = attempts[-1]
+        if self._attempt_seen >= 0 and self.streamer:
+            history = self.run.status(self.record.placement.node_rank).history
+            why = ""
+            if history:
+                why = "; ".join(f"rank {r} {procutil.describe_exit(f.exitcode)}"
+                                for r, f in sorted(history[-1].failures.items()))
+            self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} failed ({why}); "
+                                f"restarting all ranks (attempt {latest} of "
+                                f"{self.spec.max_restarts})\n")
+        self._attempt_seen = latest
+        if self.streamer:
+            for r in range(self.spec.world_size):
+                self.streamer.watch(r, self.run.rank_file(latest, r, "log"))
+
+    # ------------------------------------------------------------------ results
+    @property
+    def state(self) -> RunState:
+        if not self.finished:
+            return RunState.RUNNING if self.proc is not None else RunState.PENDING
+        if self.reason is StopReason.TIMEOUT:
+            return RunState.TIMED_OUT
+        if self.reason is StopReason.CANCELLED:
+            return RunState.CANCELLED
+        st = self.run.status(self.record.placement.node_rank).state
+        return RunState.SUCCEEDED if st is RunState.SUCCEEDED else RunState.FAILED
+
+    def outcome(self):
+        status = self.run.status(self.record.placement.node_rank)
+        attempts = self.run.attempts()
+        attempt = status.attempt if status.attempt or not attempts else attempts[-1]
+        return collect.collect(
+            self.run, state=status.state, world_size=self.spec.world_size, attempt=attempt,
+            exits=status.failures, reason=self.reason, timeout=self.spec.timeout,
+            agent_error=status.error, agent_traceback=status.traceback,
+            oom_kills_at_start=self._oom_start)

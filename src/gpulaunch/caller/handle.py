@@ -1,0 +1,129 @@
+"""``RunHandle``: the caller's view of a started run (any backend's ``Run``)."""
+
+from __future__ import annotations
+
+import threading
+
+from ..backends.base import poll_until_done
+from ..common import constants
+from ..common.records import RunState, StopReason
+from ..errors import LaunchError
+from .logstream import tail_text
+from .outcome import settle
+
+
+def _lost_track(run, e: BaseException) -> LaunchError:
+    """The error for a run whose following failed in the caller (not in a rank)."""
+    return LaunchError(f"gpulaunch lost track of run {run.run.run_id} while following it "
+                       f"({type(e).__name__}: {e}); every rank was stopped. Run directory: "
+                       f"{run.run.path}", run_dir=str(run.run.path))
+
+
+def _stop_quietly(run) -> None:
+    """Stop a run whose following failed. Stopping may hit the same fault (a deleted run
+    directory, a lost connection); the caller gets the first."""
+    try:
+        run.stop(StopReason.CANCELLED)
+    except Exception:  # noqa: BLE001
+        pass
+    finally:
+        run.finished = True
+
+
+class RunHandle:
+    """A run in flight: ``status``, ``result()``, ``logs()``, ``cancel()``, ``run_dir``.
+
+    ``background=True`` (``submit()``): a thread follows the run; otherwise the caller's own
+    thread does, in ``wait()`` (``.distributed()``)."""
+
+    def __init__(self, run, *, background: bool):
+        self._run = run
+        self.run_id = run.run.run_id
+        self.run_dir = str(run.run.path)
+        self._thread = None
+        self._follow_error: BaseException | None = None
+        if background:
+            self._thread = threading.Thread(target=self._follow, name=f"gpulaunch-{self.run_id}",
+                                            daemon=True)
+            self._thread.start()
+
+    def _follow(self) -> None:
+        """Poll the run until it ends. If following fails (a bug of ours, a lost cluster
+        connection), the run must not be left going unobserved with ``done()`` False forever:
+        stop every rank and keep the error for ``result()``."""
+        try:
+            self._poll()
+        except BaseException as e:  # noqa: BLE001 - reported by result()
+            self._follow_error = e
+            _stop_quietly(self._run)
+
+    def _poll(self, timeout: float | None = None) -> bool:
+        interval = getattr(self._run, "poll_interval", constants.POLL_LOCAL_S)
+        return poll_until_done(self._run, interval, timeout)
+
+    @property
+    def status(self) -> RunState:
+        """PENDING, RUNNING, SUCCEEDED, FAILED, CANCELLED or TIMED_OUT (a str enum)."""
+        return self._run.state
+
+    @property
+    def mlflow_run_id(self) -> str | None:
+        """The MLflow run of this launch (None when tracking is off or its store failed)."""
+        cb = self._run.callbacks.find("tracking") if getattr(self._run, "callbacks", None) \
+            else None
+        return cb.run_id() if cb is not None else None
+
+    def done(self) -> bool:
+        return self._run.finished
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait until the run ends (or ``timeout`` seconds pass); True if it ended."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return self._poll(timeout)
+
+    def follow(self) -> list:
+        """Follow the run in this thread to its end and return ``result()``; Ctrl-C or a
+        notebook's stop button stops every rank. (``.distributed()`` is ``submit`` + this.)"""
+        try:
+            self._poll()
+        except Exception as e:  # following failed (not the run): same as submit()
+            _stop_quietly(self._run)
+            raise _lost_track(self._run, e) from e
+        except BaseException:   # KeyboardInterrupt: stop every rank, then let it propagate
+            self._run.stop(StopReason.CANCELLED)
+            raise
+        return self.result()
+
+    def result(self, timeout: float | None = None) -> list:
+        """The per-rank results ordered by global rank, or the run's error raised here."""
+        if not self.wait(timeout):
+            raise TimeoutError(f"run {self.run_id} still running after {timeout} s "
+                               "(this did not stop it; call cancel() to stop it)")
+        if self._follow_error is not None:
+            raise _lost_track(self._run, self._follow_error) from self._follow_error
+        return settle(self._run.outcome())
+
+    def cancel(self) -> None:
+        """Stop every rank now (SIGTERM, then SIGKILL after the grace period)."""
+        self._run.stop(StopReason.CANCELLED)
+
+    def logs(self, rank: int | None = None, lines: int | None = None) -> str:
+        """The log of one rank, or of every rank (prefixed), from the latest attempt."""
+        run = self._run.run
+        attempts = run.attempts()
+        if not attempts:
+            return ""
+        attempt = attempts[-1]
+        ranks = [rank] if rank is not None else range(self._run.spec.world_size)
+        chunks = []
+        for r in ranks:
+            text = tail_text(run.rank_file(attempt, r, "log"), lines or 10**9, max_bytes=1 << 26)
+            if rank is not None:
+                return text
+            chunks.extend(f"[rank {r}] {line}" for line in text.splitlines())
+        return "\n".join(chunks)
+
+    def __repr__(self) -> str:
+        return f"<RunHandle {self.run_id} {self.status}>"

@@ -1,0 +1,119 @@
+"""``launch()``: the one pipeline every entry point calls (the decorator's ``.distributed`` and
+``.submit``, ``gpulaunch run``, ``ray_launch``).
+
+    options ─resolve(host)─▶ spec ─fit check─▶ run dir ─payload─▶ callbacks.on_launch
+        ─▶ backend.start() ─▶ announce ─▶ registry ─▶ (caller polls) ─▶ callbacks.on_end
+
+It returns the started ``Run`` (``backends.base``); the caller follows it with
+``RunHandle``. Nothing before ``backend.start()`` starts a process, so every user mistake is
+raised here with nothing left behind.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from ..common import rundir
+from ..common.payload import serialize_call
+from ..common.records import Entry, LaunchRecord, RunState
+from ..common.rundir import hostname, write_json_atomic
+from ..errors import ConfigurationError
+from ..hardware import host as hardware_host
+from ..options import LaunchOptions
+from . import fitcheck
+from .callbacks import Callbacks, LaunchContext, RunCallback
+from .registry import ACTIVE
+from .spec import resolve
+
+BACKENDS = ("local", "ray", "ray_program")
+
+
+def default_callbacks(options: LaunchOptions) -> list[RunCallback]:
+    """The side concerns every launch gets: MLflow tracking when it is on."""
+    from ..tracking.callback import tracking_callback
+    cb = tracking_callback(options.tracking)
+    return [cb] if cb is not None else []
+
+
+def _refuse_nested(label: str) -> None:
+    if os.environ.get("GPULAUNCH_RUN_DIR") and os.environ.get("RANK") is not None:
+        raise ConfigurationError(
+            f"{label}.distributed() was called inside a rank of a running gpulaunch job. Nested "
+            "launches would multiply processes per GPU; call the function directly there "
+            f"({label}.func(...)).")
+
+
+def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, stream: bool = True,
+           backend: str | None = None, standby: bool = False, write=None,
+           callbacks: list[RunCallback] | None = None):
+    """Start one run and return it (started, registered, announced).
+
+    call: (func, args, kwargs, arg_names) for a function entry; it is pickled here, so an
+        argument that cannot travel is refused by name before anything starts.
+    backend: "local", "ray" or "ray_program"; default: "ray" when options.remote, else "local".
+    standby: the local backend may use (and afterwards restart) a standby agent — for callers
+        that launch again and again (the Python API), not for one-shot CLI launches.
+    """
+    _refuse_nested(label)
+    backend = backend or ("ray" if options.remote else "local")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
+    host = hardware_host.detect()
+    spec = resolve(options, host)
+    fit = fitcheck.check_launch(options.plan, spec, host)
+    payload = None
+    if call is not None:
+        func, args, kwargs, arg_names = call
+        payload = serialize_call(func, args, kwargs, arg_names=arg_names,
+                                 max_arg_bytes=options.max_arg_bytes)
+    run_dir = rundir.create(label)
+    if payload is not None and backend == "local":
+        with open(os.open(run_dir.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                  "wb") as f:
+            f.write(payload)
+    if fit is not None:
+        import dataclasses
+        write_json_atomic(run_dir.path / "plan.json", dataclasses.asdict(fit))
+    hooks = Callbacks(default_callbacks(options) if callbacks is None else callbacks)
+    ctx = LaunchContext(run_dir, label, spec, entry, options, remote=backend != "local")
+    hooks.on_launch(ctx)
+    record = LaunchRecord(run_id=run_dir.run_id, label=label, spec=spec, entry=entry,
+                          backend=backend, caller_pid=os.getpid(), host=hostname(),
+                          cwd=os.getcwd(), argv=tuple(sys.argv),
+                          extensions=dict(hooks.extensions))
+    run = _backend_run(backend, record, run_dir, options, payload, hooks, stream=stream,
+                       standby=standby, write=write)
+    try:
+        run.start()
+    except BaseException:
+        hooks.on_end(run, RunState.CANCELLED if sys.exc_info()[0] is KeyboardInterrupt
+                     else RunState.FAILED)
+        raise
+    hooks.on_start(run)
+    ACTIVE.add(run)
+    _announce(run, fit)
+    return run
+
+
+def _backend_run(backend, record, run_dir, options, payload, hooks, *, stream, standby, write):
+    if backend == "local":
+        from ..backends.local.run import LocalRun
+        return LocalRun(record, run_dir, callbacks=hooks, stream=stream, write=write,
+                        standby=standby)
+    if backend == "ray":
+        from ..backends.ray.run import RayRun
+        return RayRun(record, run_dir, payload, cluster=options.cluster, callbacks=hooks,
+                      stream=stream, write=write)
+    from ..backends.ray.program_run import RayProgramRun
+    return RayProgramRun(record, run_dir, payload, cluster=options.cluster, callbacks=hooks)
+
+
+def _announce(run, fit) -> None:
+    if os.environ.get("GPULAUNCH_QUIET"):
+        return
+    sys.stdout.write(f"gpulaunch: run {run.run.run_id}: {run.describe()}\n")
+    if fit is not None:
+        sys.stdout.write(f"gpulaunch: plan: {fit.message}\n")
+    sys.stdout.flush()
+
