@@ -65,12 +65,12 @@ def one_caller(workers: int, calls: int, stuck_after: float, py_spy: str | None)
             except Exception as e:  # noqa: BLE001 - recorded
                 r = {"state": "error", "error": f"{type(e).__name__}: {e}"[:2000]}
         else:
-            status = RunDir(handle.run_dir).status()
+            status = RunDir(handle.run_dir).status().to_data()
             r = {"state": "stuck", "run_dir": handle.run_dir, "status": status,
                  "stacks": _stacks(status, py_spy)}
             handle.cancel()
         r.update(call=call, seconds=round(time.monotonic() - t0, 3),
-                 warm=bool(RunDir(handle.run_dir).status().get("warm_start")))
+                 warm=bool(RunDir(handle.run_dir).status().warm_start))
         out.append(r)
     return out
 

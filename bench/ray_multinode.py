@@ -42,16 +42,12 @@ def _allreduce():
 
 
 def _ray_run(gpus: int, cluster):
-    from gpulaunch.api import DistributedFunction
-    from gpulaunch.backends.ray.run import RayRun
-    from gpulaunch.common.payload import serialize_call
-    fn = DistributedFunction(_allreduce, gpus=gpus, cluster=cluster, stream_logs="none")
-    spec = fn._resolve()
+    from gpulaunch import distributed
     t0 = time.perf_counter()
-    run = RayRun(spec, serialize_call(_allreduce, (), {}), {"kind": "function"},
-                 label="bench", cluster=cluster, stream=False).start()
-    run.wait()
-    results = run.outcome()
+    handle = distributed(gpus=gpus, cluster=cluster, remote=True,
+                         stream_logs="none")(_allreduce).submit()
+    results = handle.result()
+    run = handle._run          # the RayRun behind the handle: its phase timings
     total = time.perf_counter() - t0
     return results, dict(run.timings, total=round(total, 3))
 

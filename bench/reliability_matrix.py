@@ -64,9 +64,9 @@ def _alive(pids) -> int:
 
 def _pids(run: RunDir) -> set[int]:
     st = run.status()
-    pids = {int(p) for p in (st.get("pids") or {}).values()}
-    if st.get("agent_pid"):
-        pids.add(int(st["agent_pid"]))
+    pids = {int(p) for p in st.pids.values()}
+    if st.agent_pid:
+        pids.add(int(st.agent_pid))
     return pids
 
 

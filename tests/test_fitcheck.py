@@ -105,7 +105,7 @@ def test_plan_survives_with_overrides_and_cpu_launch_runs(gpulaunch_home):
 
 def test_cli_plan_parsing_and_bad_input():
     assert fitcheck.validate({"model": "x"}) == {"model": "x"}
-    from gpulaunch.options import parse_plan as _parse_plan
+    from gpulaunch.caller.fitcheck import parse_plan as _parse_plan
     assert _parse_plan("model=llama-3.1-8b,strategy=fsdp,seq_len=4096,activation-checkpointing=true") == {
         "model": "llama-3.1-8b", "strategy": "fsdp", "seq_len": 4096, "activation_checkpointing": True}
     proc = subprocess.run([PY, "-m", "gpulaunch.cli", "run", "--plan", "model", "--", "true"],

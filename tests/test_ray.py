@@ -60,10 +60,9 @@ def no_run_outlives_its_test(request):
     """A run a test leaves going (a failed assertion before its cancel) would hold the
     cluster's slots and fail every later test with "could not reserve": stop it here, and fail
     a test that passed while leaving one behind."""
-    from gpulaunch.backends.local.launcher import _ACTIVE
+    from gpulaunch.caller.registry import ACTIVE
     yield
-    with _ACTIVE._lock:
-        left = list(_ACTIVE._runs)
+    left = ACTIVE.runs()
     for run in left:
         run.stop("cancelled")
     if left and ray.is_initialized():
@@ -77,12 +76,16 @@ def no_run_outlives_its_test(request):
 def _job_pids(run_dir) -> list[int]:
     """Every process the job had on any node: node-agent actors, local agents, ranks."""
     run = RunDir(run_dir)
-    status = run.status()
     pids = set()
-    for n in status.get("nodes") or []:
-        for key in ("actor_pid", "agent_pid"):
-            if n.get(key):
-                pids.add(int(n[key]))
+    record = run.launch()
+    for n in (record.cluster or {}).get("nodes") or []:
+        if n.get("actor_pid"):
+            pids.add(int(n["actor_pid"]))
+    job = run.job()
+    for n in job.nodes if job is not None else []:
+        if n.agent_pid:
+            pids.add(int(n.agent_pid))
+        pids.update(int(p) for p in n.pids.values())
     for info in run.attempt_dir(0).glob("rank*.info.json"):
         pid = (read_json(info, {}) or {}).get("pid")
         if pid:
@@ -256,7 +259,7 @@ def _where_it_stands(handle) -> str:
     simulated node's status, agent output, rank logs and (after SIGUSR1) rank stacks."""
     import glob
     run = RunDir(handle.run_dir)
-    out = [f"caller status: {run.status()}", f"caller logs:\n{handle.logs()}"]
+    out = [f"caller job: {run.job()}", f"caller logs:\n{handle.logs()}"]
     nodes_home = os.path.join(os.environ["GPULAUNCH_HOME"], "ray-nodes")
     node_dirs = sorted(glob.glob(os.path.join(nodes_home, "*", "runs", run.run_id)))
     for d in node_dirs:
@@ -296,8 +299,8 @@ def test_submit_then_cancel_stops_every_node(cluster):
 def test_killing_one_nodes_agent_tears_down_the_job(cluster):
     handle = distributed(gpus=6, remote=True)(_sleep_forever).submit()
     _wait_ready(handle, 6)
-    status = RunDir(handle.run_dir).status()
-    victim = status["nodes"][1]["actor_pid"]
+    nodes = RunDir(handle.run_dir).launch().cluster["nodes"]
+    victim = nodes[1]["actor_pid"]
     os.kill(victim, signal.SIGKILL)               # node 1's agent dies as with its machine
     start = time.monotonic()
     with pytest.raises(NodeLostError) as info:
@@ -360,7 +363,7 @@ READY_DRIVER = '''
 import sys, time
 import ray
 from gpulaunch import distributed, runtime as rt
-from gpulaunch.backends.local.launcher import _ACTIVE
+from gpulaunch.caller.registry import ACTIVE
 
 def sleeper():
     import time, torch, torch.distributed as dist
@@ -381,7 +384,7 @@ try:
     h.result(timeout=60)
 except Exception as e:
     print("RAISED", type(e).__name__, str(e).splitlines()[0], flush=True)
-print("CONNECTED_AGAIN", ray.is_initialized(), "STILL_ACTIVE", len(_ACTIVE._runs), flush=True)
+print("CONNECTED_AGAIN", ray.is_initialized(), "STILL_ACTIVE", len(ACTIVE.runs()), flush=True)
 '''
 
 
@@ -567,7 +570,7 @@ def test_layout_takes_every_gpu_of_a_node_and_the_accelerator_resource():
 
 
 def test_which_mlflow_stores_other_nodes_cannot_reach_without_shared_storage():
-    from gpulaunch.backends.ray.run import _is_local_store
+    from gpulaunch.tracking.callback import is_local_store as _is_local_store
     for uri in ("sqlite:////home/me/.gpulaunch/mlflow.db", "file:///tmp/mlruns", "/tmp/mlruns",
                 "./mlruns", "mlruns"):
         assert _is_local_store(uri), uri
@@ -599,7 +602,7 @@ def test_cluster_settings_are_checked_at_decoration_time():
     with pytest.raises(ConfigurationError, match="cluster="):
         distributed(gpus=4, cluster=42)(_six_ranks)
     fn = distributed(gpus=4, cluster="ray://head:10001")(_six_ranks)
-    assert fn._resolve().remote is True
+    assert fn._spec_here().remote is True
 
 
 # ----------------------------------------------------------------- environment shipping
@@ -683,7 +686,7 @@ def test_killed_caller_leaves_nothing_on_any_node(cluster, tmp_path):
 def test_losing_a_whole_node_mid_run_tears_down_the_job(cluster):
     handle = distributed(gpus=6, remote=True, stream_logs="none")(_sleep_forever).submit()
     _wait_ready(handle, 6)
-    status = RunDir(handle.run_dir).status()
+    status = {"nodes": RunDir(handle.run_dir).launch().cluster["nodes"]}
     node_id = status["nodes"][2]["node_id"]
     victim = next(n for n in cluster.worker_nodes if n.node_id == node_id) \
         if any(n.node_id == node_id for n in cluster.worker_nodes) else None

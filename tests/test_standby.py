@@ -36,7 +36,7 @@ def _what_a_rank_sees():
 
 
 def _warm(result: dict) -> bool:
-    return bool(RunDir(result["run_dir"]).status().get("warm_start"))
+    return bool(RunDir(result["run_dir"]).status().warm_start)
 
 
 def _wait_standby_ready(timeout: float = 120.0) -> int:
@@ -58,7 +58,7 @@ def test_second_launch_is_warm_and_sees_the_callers_env_and_cwd_of_that_call(
     monkeypatch.chdir(tmp_path)
     second = fn.distributed()
     assert _warm(second[0]), RunDir(second[0]["run_dir"]).status()
-    assert RunDir(second[0]["run_dir"]).status()["agent_pid"] == standby
+    assert RunDir(second[0]["run_dir"]).status().agent_pid == standby
     assert [r["sum"] for r in second] == [2.0, 2.0]
     assert {r["var"] for r in second} == {"second"}
     assert {r["cwd"] for r in second} == {str(tmp_path)}
@@ -102,7 +102,7 @@ def test_a_warm_run_is_cancelled_and_fails_like_a_cold_one(gpulaunch_home):
 
     with pytest.raises(ValueError, match="warm failure") as info:
         distributed(gpus=2, stream_logs="none")(boom).distributed()
-    assert RunDir(info.value.run_dir).status().get("warm_start")
+    assert RunDir(info.value.run_dir).status().warm_start
     assert_no_survivors(info.value.run_dir)
 
     _wait_standby_ready()
@@ -117,7 +117,7 @@ def test_a_warm_run_is_cancelled_and_fails_like_a_cold_one(gpulaunch_home):
     deadline = time.monotonic() + 120
     while handle.logs().count("READY") < 2 and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert RunDir(handle.run_dir).status().get("warm_start")
+    assert RunDir(handle.run_dir).status().warm_start
     handle.cancel()
     assert handle.status == "CANCELLED"
     assert_no_survivors(handle.run_dir)

@@ -40,7 +40,7 @@ def _rank_state():
 def test_forked_rank_looks_like_a_spawned_one(gpulaunch_home):
     handle = distributed(gpus=2, stream_logs="none")(_rank_state).submit()
     forked = handle.result(timeout=300)
-    assert RunDir(handle.run_dir).status()["start_method"] == "fork"
+    assert RunDir(handle.run_dir).status().start_method == "fork"
     logs = handle.logs()
     assert "USERLOG hello from rank 0" in logs and "USERLOG hello from rank 1" in logs
     assert "PRINTED" in logs
@@ -50,7 +50,7 @@ def test_forked_rank_looks_like_a_spawned_one(gpulaunch_home):
         mp.setenv("GPULAUNCH_START_METHOD", "spawn")
         handle = distributed(gpus=2, stream_logs="none")(_rank_state).submit()
         spawned = handle.result(timeout=300)
-    assert RunDir(handle.run_dir).status()["start_method"] == "spawn"
+    assert RunDir(handle.run_dir).status().start_method == "spawn"
     assert forked == spawned
     assert forked[0] == {"own_group": True, "sigterm_default": True, "sigint": True, "threads": 1,
                          "argv0": "worker.py"}
@@ -61,7 +61,7 @@ def test_env_read_at_interpreter_start_falls_back_to_spawn(gpulaunch_home):
         lambda: __import__("os").environ["PYTHONHASHSEED"])
     assert f.distributed() == ["123", "123"]
     status = RunDir(latest_run_dir(gpulaunch_home)).status()
-    assert status["start_method"] == "spawn" and "PYTHONHASHSEED" in status["start_method_reason"]
+    assert status.start_method == "spawn" and "PYTHONHASHSEED" in status.start_method_reason
 
 
 def test_unknown_start_method_is_refused_before_anything_starts(gpulaunch_home, monkeypatch):
@@ -94,9 +94,9 @@ def test_no_forked_rank_runs_before_the_last_fork(gpulaunch_home):
         assert handle.result(timeout=300) == [False] * 4
         run = RunDir(handle.run_dir)
         status = run.status()
-        assert status["start_method"] == "fork"
-        forked_at = status["forked_at"]          # the last attempt's
-        attempt = status["attempt"]
+        assert status.start_method == "fork"
+        forked_at = status.forked_at          # the last attempt's
+        attempt = status.attempt
         assert attempt == restarts
         started = {r: read_json(run.rank_file(attempt, r, "info.json"))["started"]
                    for r in range(4)}

@@ -128,7 +128,7 @@ def test_two_rank_run_is_one_mlflow_run(monkeypatch, tracked, gpulaunch_home, ca
         assert f"rank {r} finished; run {run.info.run_id}" in open(text).read()
     assert {"gpulaunch/status.json", "gpulaunch/launch.json", "metrics.png"} <= set(arts)
     assert (run_dir / "metrics.png").stat().st_size > 1000
-    assert json.loads((run_dir / "status.json").read_text())["mlflow_run_id"] == run.info.run_id
+    assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run.info.run_id
     # The caller printed where to look, and rank 0's tqdm came through as whole lines.
     assert f"MLflow run {run.info.run_id}" in out and f"mlflow ui --backend-store-uri {uri}" in out
     assert "\r" not in out
@@ -410,4 +410,4 @@ def test_restart_while_the_sampler_logs_is_one_finished_run(tracked, gpulaunch_h
     assert [m.step for m in tracked.get_metric_history(run.info.run_id, "loss")] == list(range(5))
     cpu = tracked.get_metric_history(run.info.run_id, "system/node_0/cpu_utilization_percentage")
     assert len(cpu) >= 3                      # samples before, across and after the restart
-    assert RunDir(handle.run_dir).status()["attempt"] == 1
+    assert RunDir(handle.run_dir).status().attempt == 1

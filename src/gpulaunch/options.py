@@ -22,6 +22,7 @@ import math
 import numbers
 from typing import Any, Callable
 
+from .caller.fitcheck import parse_plan
 from .common import constants
 from .errors import ConfigurationError, GPUValidationError
 
@@ -114,8 +115,8 @@ def _max_arg_bytes(value) -> int:
 
 
 def _plan(value):
-    from .caller import fitcheck
-    return fitcheck.validate(value)
+    from .caller.fitcheck import validate
+    return validate(value)
 
 
 def _tracking(value):
@@ -160,25 +161,6 @@ def _cli_env(items: list[str]) -> dict[str, str]:
         if not sep or not key:
             raise ConfigurationError(f"--env takes KEY=VALUE, got {item!r}")
         out[key] = value
-    return out
-
-
-def parse_plan(text: str) -> dict:
-    """'model=llama-3.1-8b,strategy=fsdp,seq_len=4096' -> the plan= dict."""
-    out: dict[str, Any] = {}
-    for item in text.split(","):
-        key, sep, raw = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigurationError(f"--plan takes KEY=VALUE pairs separated by commas, e.g. "
-                                     f"model=llama-3.1-8b,strategy=fsdp; got {item!r}")
-        raw = raw.strip()
-        v: Any = raw.lower() == "true" if raw.lower() in ("true", "false") else raw
-        if isinstance(v, str):
-            try:
-                v = int(raw)
-            except ValueError:
-                pass
-        out[key.strip().replace("-", "_")] = v
     return out
 
 
@@ -303,12 +285,13 @@ def field_names() -> set[str]:
 def _canonical(kwargs: dict) -> dict:
     """Map the seed's aliases to field names; refuse unknown names and double spellings."""
     names = field_names()
+    unknown = sorted(k for k in kwargs if ALIASES.get(k, k) not in names)
+    if unknown:
+        raise ConfigurationError(f"unknown settings {unknown}; known: "
+                                 f"{sorted(names | set(ALIASES))}.")
     out: dict = {}
     for key, value in kwargs.items():
         field = ALIASES.get(key, key)
-        if field not in names:
-            raise ConfigurationError(f"unknown setting {key!r}; known: "
-                                     f"{sorted(names | set(ALIASES))}.")
         if field in out:
             alias = next(a for a, f in ALIASES.items() if f == field)
             raise ConfigurationError(f"Pass either {field}= or {alias}=, not both.")
@@ -326,10 +309,11 @@ def build(*args, **kwargs) -> LaunchOptions:
     # that distributed(None, gpus=2) works as in the seed; remote and timeout are values.
     given = {name: value for name, value in zip(POSITIONAL, args)
              if value is not None or name in ("remote", "timeout")}
+    positional = set(given)
     for key, value in _without_unset_aliases(kwargs).items():
-        field = ALIASES.get(key, key)
-        if field in given:
-            raise ConfigurationError(f"{field} was given twice (positionally and as {key}=).")
+        if ALIASES.get(key, key) in positional:
+            raise ConfigurationError(f"{ALIASES.get(key, key)} was given twice (positionally "
+                                     f"and as {key}=).")
         given[key] = value
     return LaunchOptions(**_canonical(given))
 
@@ -369,8 +353,10 @@ def signature(leading: tuple[str, ...] = ("num_accelerators", "accelerator_type"
 
 # --------------------------------------------------------------------------- the CLI
 def add_cli_arguments(parser) -> None:
-    """Add a flag for every setting that has one; defaults stay unset (None) on the parser so
-    that ``from_cli`` can tell "not given" from a value, and the dataclass default applies."""
+    """Add a flag for every setting that has one. A flag not given is left out of the parsed
+    namespace (argparse.SUPPRESS), so ``from_cli`` tells "not given" (the dataclass default,
+    the same as the decorator's) from a value, ``--timeout none`` included."""
+    import argparse
     for f in dataclasses.fields(LaunchOptions):
         cli: Cli | None = f.metadata.get("cli")
         if cli is None:
@@ -379,7 +365,7 @@ def add_cli_arguments(parser) -> None:
         kwargs = dict(cli.kwargs)
         if kwargs.get("action") != "append":
             kwargs.setdefault("type", cli.parse or str)
-        parser.add_argument(*cli.flags, dest=f"opt_{f.name}", default=None,
+        parser.add_argument(*cli.flags, dest=f"opt_{f.name}", default=argparse.SUPPRESS,
                             help=f"{f.metadata.get('doc', '')} (default: {default!r})", **kwargs)
 
 
@@ -388,9 +374,9 @@ def from_cli(args, **extra) -> LaunchOptions:
     given = {}
     for f in dataclasses.fields(LaunchOptions):
         cli: Cli | None = f.metadata.get("cli")
-        raw = getattr(args, f"opt_{f.name}", None) if cli is not None else None
-        if raw is None:
+        if cli is None or not hasattr(args, f"opt_{f.name}"):
             continue
+        raw = getattr(args, f"opt_{f.name}")
         if cli.kwargs.get("action") == "append" and cli.parse is not None:
             raw = cli.parse(raw)
         given[f.name] = raw

@@ -20,6 +20,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import warnings
+from typing import Any
 
 from ..errors import ConfigurationError, WontFitError
 
@@ -151,3 +152,22 @@ def check_launch(plan_args: dict | None, spec, host) -> FitVerdict | None:
     smallest = min(gpus, key=lambda g: g.memory_bytes)
     return check(plan_args, gpus_per_node=spec.nproc_per_node, nodes=spec.nnodes, gpu_name=smallest.name,
                  gpu_memory_bytes=smallest.memory_bytes)
+
+
+def parse_plan(text: str) -> dict:
+    """'model=llama-3.1-8b,strategy=fsdp,seq_len=4096' -> the plan= dict."""
+    out: dict[str, Any] = {}
+    for item in text.split(","):
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigurationError(f"--plan takes KEY=VALUE pairs separated by commas, e.g. "
+                                     f"model=llama-3.1-8b,strategy=fsdp; got {item!r}")
+        raw = raw.strip()
+        v: Any = raw.lower() == "true" if raw.lower() in ("true", "false") else raw
+        if isinstance(v, str):
+            try:
+                v = int(raw)
+            except ValueError:
+                pass
+        out[key.strip().replace("-", "_")] = v
+    return out

@@ -7,6 +7,7 @@ which type, how many CPU workers are sensible.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 from ..common import constants
@@ -14,7 +15,7 @@ from ..common.records import LaunchSpec
 from ..errors import GPUTypeError, GPUValidationError
 from ..hardware.catalog import AcceleratorType, GPUType
 from ..hardware.host import HostInfo, max_cpu_workers
-from ..options import LaunchOptions
+from ..options import LaunchOptions, field_names
 
 
 def _wanted(options: LaunchOptions) -> tuple[int | None, GPUType | None]:
@@ -29,11 +30,12 @@ def resolve(options: LaunchOptions, host: HostInfo) -> LaunchSpec:
     count, wanted_type = _wanted(options)
     env = dict(options.env)
     env.update(options.rank_env())
-    common = dict(timeout=options.timeout, hang_timeout=options.hang_timeout,
-                  max_restarts=options.max_restarts, shutdown_grace=options.shutdown_grace,
-                  stream_logs=options.stream_logs, remote=options.remote,
-                  env=tuple(sorted(env.items())), start_timeout=options.start_timeout,
-                  node_lost_timeout=options.node_lost_timeout)
+    # Every setting the spec shares with the options travels by name (a new LaunchOptions
+    # field that the backends need is one more LaunchSpec field, nothing else); the GPU type
+    # and the environment are resolved here.
+    shared = {f.name for f in dataclasses.fields(LaunchSpec)} & field_names()
+    common = {name: getattr(options, name) for name in shared - {"gpu_type", "env"}}
+    common["env"] = tuple(sorted(env.items()))
 
     if options.remote:
         # Placement happens on the cluster; the Ray backend checks counts and types there.

@@ -22,14 +22,15 @@ import threading
 import time
 from pathlib import Path
 
+from ..common.records import RunState
 from ..common.rundir import RunDir, hostname, read_json, write_json_atomic
 from . import settings
 from .settings import Tracking
 
 TRACKING_JSON = "tracking.json"
 # gpulaunch state -> MLflow run status
-_STATUS = {"SUCCEEDED": "FINISHED", "FAILED": "FAILED", "TIMED_OUT": "FAILED",
-           "CANCELLED": "KILLED"}
+_STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED",
+           RunState.TIMED_OUT: "FAILED", RunState.CANCELLED: "KILLED"}
 _VERSIONS = ("torch", "gpulaunch", "mlflow", "transformers", "accelerate", "trl", "peft",
              "deepspeed", "lightning", "ray", "nvidia-ml-py")
 _warned: set[str] = set()
@@ -242,11 +243,12 @@ class CallTracker:
             return
         _bounded(lambda: self._collect(info["run_id"], state, info["tracking_uri"], run),
                  self.timeout, "uploading logs and plots")
-        status = _STATUS.get(state, "FAILED")
+        status = _STATUS.get(RunState(state), "FAILED")
         # The status on its own, after the uploads: slow artifacts never leave it RUNNING.
         _bounded(lambda: self._client.set_terminated(info["run_id"], status), self.timeout,
                  "setting the run's final status")
-        _merge_json(self.run.path / TRACKING_JSON, {"status": status, "state": state,
+        _merge_json(self.run.path / TRACKING_JSON, {"status": status,
+                                                    "state": RunState(state).value,
                                                     "ended": time.time()})
 
     def _collect(self, run_id: str, state: str, uri: str, run=None) -> None:
@@ -291,7 +293,7 @@ class CallTracker:
 
     def _upload(self, client, run_id: str, state: str, backend_run=None) -> None:
         run = self.run
-        if state != "SUCCEEDED" and backend_run is not None:
+        if RunState(state) is not RunState.SUCCEEDED and backend_run is not None:
             report = _error_report(backend_run)
             if report:
                 (run.path / "error.txt").write_text(report)

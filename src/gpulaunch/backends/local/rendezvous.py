@@ -24,10 +24,12 @@ from torch.distributed import PrefixStore, TCPStore
 from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo,
                                                   RendezvousStoreInfo)
 
+from ...common.constants import RENDEZVOUS_TIMEOUT_S
+
 
 class BoundStaticRendezvous(RendezvousHandler):
     def __init__(self, *, bind_host: str, port: int, node_rank: int, nnodes: int, run_id: str,
-                 connect_host: str | None = None, timeout: float = 600.0):
+                 connect_host: str | None = None, timeout: float = RENDEZVOUS_TIMEOUT_S):
         self.bind_host = bind_host
         self.connect_host = connect_host or bind_host
         self.node_rank = node_rank
@@ -53,8 +55,14 @@ class BoundStaticRendezvous(RendezvousHandler):
         return sock
 
     def _serve(self, sock: socket.socket, world: int | None):
-        return TCPStore(self.connect_host, sock.getsockname()[1], world, True, self.timeout,
-                        wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
+        args = (self.connect_host, sock.getsockname()[1], world, True, self.timeout)
+        kwargs = dict(wait_for_workers=False, multi_tenant=True, master_listen_fd=sock.fileno())
+        try:
+            return TCPStore(*args, **kwargs)
+        except NotImplementedError:
+            # torch < 2.8: the libuv store cannot adopt a listening socket (the environments
+            # of LLM Foundry / Axolotl pin such torch); the classic store can.
+            return TCPStore(*args, **kwargs, use_libuv=False)
 
     def get_backend(self) -> str:
         return "gpulaunch-static"
