@@ -257,16 +257,22 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
                 kw.setdefault("device_ids", [device.index])
             # gradients live in DDP's communication buckets instead of a second copy: saves 4 B/param
             kw.setdefault("gradient_as_bucket_view", True)
-            if compile_opts is not None and one_rank:   # nothing to overlap: one graph, unsplit
+            inside = compile_opts is not None and one_rank
+            if inside:   # nothing to overlap on one rank: the model compiled whole, as for 'none'
+                if dtype is not None:
+                    model.forward = _autocast_forward(model.forward, device.type, dtype)
                 compile_in_place(model, compile_opts)
             wrapped = DDP(model, **kw)
+            if dtype is not None and not inside:
+                wrapped.forward = _autocast_forward(wrapped.forward, device.type, dtype)
+            if compile_opts is not None and not inside:   # the DDP module, split at its buckets
+                compile_in_place(wrapped, compile_opts)
         else:
             wrapped = model
-        if dtype is not None:
-            wrapped.forward = _autocast_forward(wrapped.forward, device.type, dtype)
-        if compile_opts is not None and (strategy == "none" or not one_rank):
-            # none: the whole model; ddp on several ranks: the DDP module, split at its buckets
-            compile_in_place(wrapped, compile_opts)
+            if dtype is not None:
+                wrapped.forward = _autocast_forward(wrapped.forward, device.type, dtype)
+            if compile_opts is not None:
+                compile_in_place(wrapped, compile_opts)
 
     scaler = None
     if dtype is torch.float16 and opt is not None:
