@@ -23,9 +23,10 @@ sys.path.insert(0, str(ROOT / "tests"))
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from gpulaunch import parallel as gp  # noqa: E402
-from gpulaunch.parallel.reference_model import LLAMA_1B, Llama, LlamaConfig  # noqa: E402
-from test_parallel import HAVE_DS, local_batch, needs_ds, opt_factory, run_ranks  # noqa: E402
+from test_parallel import HAVE_DS, local_batch, needs_ds, opt_factory, run_ranks
+
+from gpulaunch import parallel as gp
+from gpulaunch.parallel.reference_model import LLAMA_1B, Llama, LlamaConfig
 
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 3
