@@ -6,8 +6,8 @@ Profiles, one after another in one process (world size 1, the 1B shape, micro-ba
                     weights, SDPA, fused AdamW), eager: the loop the reference model must match
     plain+bf16w     our reference model in the same loop and precision
     plain           our plain loop: bf16 autocast over fp32 weights and AdamW state
-    ddp+compile     prepare(strategy="ddp", mixed_precision="bf16", compile=True)
     fsdp+compile    prepare(strategy="fsdp", mixed_precision="bf16", compile=True)
+    (any row kind of bench/gpu_throughput.py, e.g. ddp+compile, through --configs)
 
 For each: ``--warmup`` steps (compilation), ``--steps`` timed steps without the profiler, then
 ``--profile-steps`` steps under ``torch.profiler`` with the forward, backward and optimizer
@@ -35,7 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _throughput_rows import Loop, _init_world, build_loop, parse_kind
 from _throughput_shapes import _adamw, batches, model_config, shape_defaults
 
-CONFIGS = ["hf-bf16w", "plain+bf16w", "plain", "ddp+compile", "fsdp+compile"]
+CONFIGS = ["hf-bf16w", "plain+bf16w", "plain", "fsdp+compile"]   # also: ddp+compile, none+compile, ...
 # kernel name -> kind, first match wins (names: cuBLAS/CUTLASS/nvjet GEMMs, flash attention,
 # NCCL, inductor's fused triton kernels, ATen's element-wise and reduction templates)
 KINDS = [
@@ -222,6 +222,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5, help="timed steps without the profiler")
     ap.add_argument("--profile-steps", type=int, default=2)
     ap.add_argument("--lr", type=float, default=3e-4)
+    ap.add_argument("--budget-s", type=float, default=120, help="skip the configs left after this")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model")
     args = ap.parse_args()
     import torch
@@ -239,6 +240,9 @@ def main() -> None:
     results = []
     t0 = time.perf_counter()
     for name in args.configs.split(","):
+        if time.perf_counter() - t0 > args.budget_s:
+            results.append({"config": name, "error": f"skipped: time budget (--budget-s {args.budget_s:g}) spent"})
+            continue
         try:
             results.append(profile_one(name, args, device, cuda, trace_dir))
         except Exception:  # noqa: BLE001 - one config failing must not lose the others

@@ -202,6 +202,23 @@ def test_reference_model_chunked_loss_trains_like_the_plain_loss(tied):
         torch.testing.assert_close(b.grad, a.grad, rtol=1e-5, atol=1e-6, msg=n)
 
 
+def test_reference_model_chunked_loss_under_bf16_autocast():
+    """Under autocast the head's matmuls run in bf16 in both losses: equal within bf16 tolerance."""
+    def model(chunked):
+        torch.manual_seed(0)
+        return Llama(LlamaConfig(**{**CFG.__dict__, "chunked_loss": chunked}))
+    x, y = local_batch(1, 0, 1)
+    plain, chunked = model(0), model(7)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lp, lc = plain(x, y), chunked(x, y)
+    lp.backward()
+    lc.backward()
+    assert lc.dtype == torch.float32
+    torch.testing.assert_close(lc, lp, rtol=1e-2, atol=1e-2)
+    for (n, a), (_, b) in zip(plain.named_parameters(), chunked.named_parameters()):
+        torch.testing.assert_close(b.grad, a.grad, rtol=5e-2, atol=5e-3, msg=n)
+
+
 # ----------------------------------------------------------------------------- fp8
 def test_fp8_refuses_early_without_fp8_hardware():
     m = Llama(CFG)

@@ -7,7 +7,8 @@ optional tied embeddings. Random init only.
 
 Written to be at least as fast as ``transformers``' ``LlamaForCausalLM`` in eager mode:
 
-* RMSNorm is ``F.rms_norm`` (one fused kernel on CUDA instead of six element-wise ones);
+* RMSNorm is ``F.rms_norm`` (one fused kernel on CUDA instead of six element-wise ones) and,
+  under autocast, hands its consumers the bf16 they would each cast it to;
 * grouped-query attention passes ``enable_gqa=True`` to SDPA instead of copying each K/V head
   ``n_heads / n_kv_heads`` times (and summing the copies' gradients back in backward);
 * the rotary tables are cast once per forward to the dtype the attention computes in (bf16
@@ -70,8 +71,15 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x):
-        # normalises in fp32 whatever x's dtype, returns x's dtype (as HF's LlamaRMSNorm)
-        return F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        # normalises in fp32 whatever x's dtype (as HF's LlamaRMSNorm)
+        out = F.rms_norm(x, (x.shape[-1],), self.weight.to(x.dtype), self.eps)
+        dev = x.device.type
+        if torch.is_autocast_enabled(dev):
+            # Under autocast the residual stream is fp32 and every linear that reads this output
+            # would cast it to bf16 again (q, k and v: three casts, and three fp32 gradients to
+            # add in backward); casting once here gives the same numbers for a third of the work.
+            out = out.to(torch.get_autocast_dtype(dev))
+        return out
 
 
 def _rope(x, cos, sin):
