@@ -35,10 +35,6 @@ def barrier() -> None:
         dist.barrier()
 
 
-def local_world_size() -> int:
-    return rt.get_local_world_size()
-
-
 def default_device() -> torch.device:
     """This rank's device, as :func:`gpulaunch.runtime.device` says (``cuda:<local_rank>`` when
     that GPU exists, else CPU); CPU too when the process group is gloo-only, whose collectives

@@ -17,6 +17,7 @@ For DDP, FSDP2 and ``"none"`` plain ``loss.backward(); opt.step(); opt.zero_grad
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from collections.abc import Callable
 
@@ -69,8 +70,6 @@ def estimate_training_bytes(model: nn.Module, mixed_precision: str | None = None
 def _device_memory(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).total_memory
-    import os
-
     import psutil
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", _env.world_size()))
@@ -99,7 +98,8 @@ def _choose_by_memory(model, device, mixed_precision, world, **planner_kwargs) -
     except ImportError:
         choose_strategy = None
     if choose_strategy is not None:
-        local = _env.local_world_size() if world > 1 else 1
+        # ranks per node: the launcher's LOCAL_WORLD_SIZE, else (a group built by hand) one node
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         precision = {None: "fp32", "no": "fp32", "fp32": "fp32"}.get(mixed_precision, mixed_precision)
         offered = dict(gpus_per_node=local, nodes=max(1, world // max(1, local)),
                        gpu_memory_bytes=_device_memory(device), precision=precision,
