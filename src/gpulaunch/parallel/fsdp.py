@@ -40,12 +40,13 @@ def apply_fsdp(model, optimizer, device, dtype, cpu_offload, blist, fsdp_kwargs)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     kw.update(fsdp_kwargs)
-    one_rank = _env.world_size() == 1
+    # The last block is needed again right away in backward: keep it unsharded after forward.
+    # On one rank resharding frees only the bf16 copy of a block's weights and costs a second
+    # cast ("all-gather") per block in backward, so keep every block unsharded there, unless the
+    # parameters are offloaded to the CPU to save GPU memory.
+    keep_all = _env.world_size() == 1 and not cpu_offload
     for i, block in enumerate(blist):
-        # The last block is needed again right away in backward: keep it unsharded after forward.
-        # On one rank resharding frees only the bf16 copy of a block's weights and costs a second
-        # cast ("all-gather") per block in backward, so keep every block unsharded there.
-        fully_shard(block, **{"reshard_after_forward": not one_rank and i < len(blist) - 1, **kw})
+        fully_shard(block, **{"reshard_after_forward": not keep_all and i < len(blist) - 1, **kw})
     fully_shard(model, **kw)
 
     if rebuild_groups is not None:
