@@ -404,6 +404,7 @@ def test_auto_without_planner_estimates_memory(monkeypatch):
     from gpulaunch.parallel import strategies as prep_mod
 
     monkeypatch.setitem(sys.modules, "gpulaunch.planner", None)  # force the built-in fallback
+    monkeypatch.setenv("WORLD_SIZE", "2")   # (no process group here: the world size is the env's)
     m = make_model()
     need = gp.estimate_training_bytes(m)
     assert need == 16 * sum(p.numel() for p in m.parameters())  # fp32 param + grad + 2 Adam states
@@ -413,6 +414,12 @@ def test_auto_without_planner_estimates_memory(monkeypatch):
     monkeypatch.setattr(prep_mod, "_device_memory", lambda device: need)
     s, why = prep_mod._choose_auto(m, torch.device("cpu"), None)
     assert s == "fsdp" and "FSDP2" in why
+    # one rank: nothing to replicate to or shard across, whether it fits or not
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    for have in (10 * need, need):
+        monkeypatch.setattr(prep_mod, "_device_memory", lambda device, have=have: have)
+        s, why = prep_mod._choose_auto(m, torch.device("cpu"), None)
+        assert s == "none" and "world size 1" in why
 
 
 def test_none_strategy_single_process_checkpoint_roundtrip(tmp_path):

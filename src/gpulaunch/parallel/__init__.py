@@ -3,7 +3,8 @@ that every strategy saves and loads atomically, ``export()`` to one plain file, 
 
     from gpulaunch.parallel import prepare, save_checkpoint, load_checkpoint
 
-    p = prepare(model, lambda ps: torch.optim.AdamW(ps, lr=3e-4), strategy="fsdp", mixed_precision="bf16")
+    p = prepare(model, lambda ps: torch.optim.AdamW(ps, lr=3e-4), strategy="fsdp",
+                mixed_precision="bf16", compile=True)
     for step, (x, y) in enumerate(loader, 1):
         loss = p.model(x, y)
         p.backward(loss); p.step(); p.zero_grad()
@@ -13,15 +14,30 @@ that every strategy saves and loads atomically, ``export()`` to one plain file, 
 See docs/choosing-a-technique.md for which strategy to pick.
 """
 
-from .blocks import find_blocks
-from .checkpoint import export, latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
-from .data import DistributedLoader, ShardedFileDataset, distributed_loader, read_lines, seed_everything
 from ._env import ParallelError
-from .strategies import STRATEGIES, Prepared, deepspeed_config, estimate_training_bytes, prepare
+from .blocks import find_blocks
+from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .data import (
+    DistributedLoader,
+    ShardedFileDataset,
+    distributed_loader,
+    read_lines,
+    seed_everything,
+)
+from .export import export
+from .loss import chunked_cross_entropy
+from .strategies import (
+    PRECISIONS,
+    STRATEGIES,
+    Prepared,
+    deepspeed_config,
+    estimate_training_bytes,
+    prepare,
+)
 
 __all__ = [
-    "prepare", "Prepared", "STRATEGIES", "ParallelError", "find_blocks", "deepspeed_config",
-    "estimate_training_bytes", "save_checkpoint", "load_checkpoint", "latest_checkpoint",
-    "list_checkpoints", "export", "distributed_loader", "DistributedLoader", "ShardedFileDataset",
-    "read_lines", "seed_everything",
+    "PRECISIONS", "STRATEGIES", "DistributedLoader", "ParallelError", "Prepared", "ShardedFileDataset",
+    "chunked_cross_entropy", "deepspeed_config", "distributed_loader", "estimate_training_bytes",
+    "export", "find_blocks", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prepare",
+    "read_lines", "save_checkpoint", "seed_everything",
 ]

@@ -1,43 +1,33 @@
-"""Small facts about the current process: rank, world, device, and the package's error type."""
+"""The package's error type and the few facts about this process it needs.
+
+Rank, world size, local rank and the device come from :mod:`gpulaunch.runtime`, the launcher's
+own answer (process group first, then the launcher's environment), so that ``prepare()`` and the
+code around it never disagree about who this rank is or which GPU it owns.
+"""
 
 from __future__ import annotations
 
 import logging
-import os
 
 import torch
 import torch.distributed as dist
 
-try:  # the core package's user-error base, once merged
-    from gpulaunch.errors import ConfigurationError as _Base  # type: ignore
-except Exception:  # pragma: no cover - standalone use
-    _Base = ValueError
+from gpulaunch import runtime as rt
+from gpulaunch.errors import ConfigurationError
 
 log = logging.getLogger("gpulaunch.parallel")
 
+rank = rt.get_global_rank
+world_size = rt.get_world_size
+local_rank = rt.get_local_rank
 
-class ParallelError(_Base):
+
+class ParallelError(ConfigurationError):
     """A mistake in how ``gpulaunch.parallel`` was called; the message says how to fix it."""
 
 
 def is_dist() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def rank() -> int:
-    if is_dist():
-        return dist.get_rank()
-    return int(os.environ.get("RANK", 0))
-
-
-def world_size() -> int:
-    if is_dist():
-        return dist.get_world_size()
-    return int(os.environ.get("WORLD_SIZE", 1))
-
-
-def local_rank() -> int:
-    return int(os.environ.get("LOCAL_RANK", 0))
 
 
 def barrier() -> None:
@@ -46,12 +36,13 @@ def barrier() -> None:
 
 
 def default_device() -> torch.device:
-    """This rank's device: ``cuda:LOCAL_RANK`` when CUDA is there (or the current device), else CPU."""
-    if torch.cuda.is_available():
-        if is_dist() and dist.get_backend() == "gloo":
-            return torch.device("cpu")
-        return torch.device("cuda", local_rank() % torch.cuda.device_count())
-    return torch.device("cpu")
+    """This rank's device, as :func:`gpulaunch.runtime.device` says (``cuda:<local_rank>`` when
+    that GPU exists, else CPU); CPU too when the process group is gloo-only, whose collectives
+    would otherwise copy every CUDA tensor through the host."""
+    dev = rt.device()
+    if dev.type == "cuda" and is_dist() and dist.get_backend() == "gloo":
+        return torch.device("cpu")
+    return dev
 
 
 def is_url(path) -> bool:

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 from collections import Counter
-from typing import Callable, Iterable, Sequence, Union
+from collections.abc import Callable, Iterable, Sequence
 
 from torch import nn
 
 from ._env import ParallelError
 
-BlockSpec = Union[None, type, str, Sequence[Union[type, str]], Callable[[nn.Module], bool], Iterable[nn.Module]]
+BlockSpec = type | str | Sequence[type | str] | Callable[[nn.Module], bool] | Iterable[nn.Module] | None
 
 
 def _numel(m: nn.Module) -> int:

@@ -23,16 +23,14 @@ at another world size too.
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import random
 import re
 import shutil
-import tempfile
 import time
 import uuid
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -40,9 +38,25 @@ from torch import nn
 
 from . import _env
 from ._env import ParallelError, is_url
-from .strategies import DeepSpeedPrepared, Prepared, TorchPrepared
+from ._storage import (
+    _dcp_reader,
+    _dcp_writer,
+    _exists,
+    _fs,
+    _fsync_dir,
+    _join,
+    _listdir,
+    _local_stage,
+    _makedirs,
+    _read_bytes,
+    _rmtree,
+    _torch_load,
+    _torch_save,
+    _write_bytes,
+)
+from .prepared import DeepSpeedPrepared, Prepared, TorchPrepared
 
-__all__ = ["save_checkpoint", "load_checkpoint", "latest_checkpoint", "list_checkpoints", "export"]
+__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -50,97 +64,8 @@ _STEP_RE = re.compile(r"^step_(\d+)$")
 _DS_TAG = "ds"
 
 
-# ---------------------------------------------------------------- filesystem helpers
-def _fs(path: str):
-    import fsspec
-
-    fs, p = fsspec.core.url_to_fs(path)
-    return fs, p
-
-
-def _join(a: str, *b: str) -> str:
-    return "/".join([a.rstrip("/"), *b])
-
-
-def _exists(path: str) -> bool:
-    if is_url(path):
-        fs, p = _fs(path)
-        return fs.exists(p)
-    return os.path.exists(path)
-
-
-def _read_bytes(path: str) -> bytes:
-    if is_url(path):
-        fs, p = _fs(path)
-        return fs.cat_file(p)
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _write_bytes(path: str, data: bytes) -> None:
-    """Write a whole small file; on local disk via a temp file + ``os.replace`` (atomic)."""
-    if is_url(path):
-        fs, p = _fs(path)
-        fs.pipe_file(p, data)
-        return
-    tmp = f"{path}.tmp-{uuid.uuid4().hex[:8]}"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-def _torch_save(obj, path: str) -> None:
-    buf = io.BytesIO()
-    torch.save(obj, buf)
-    _write_bytes(path, buf.getvalue())
-
-
-def _torch_load(path: str):
-    # our own files: they may hold user `extra` objects, so full unpickling
-    return torch.load(io.BytesIO(_read_bytes(path)), map_location="cpu", weights_only=False)
-
-
-def _makedirs(path: str) -> None:
-    if is_url(path):
-        fs, p = _fs(path)
-        fs.makedirs(p, exist_ok=True)
-    else:
-        os.makedirs(path, exist_ok=True)
-
-
-def _rmtree(path: str) -> None:
-    if is_url(path):
-        fs, p = _fs(path)
-        if fs.exists(p):
-            fs.rm(p, recursive=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
-
-
-def _listdir(path: str) -> list[str]:
-    if is_url(path):
-        fs, p = _fs(path)
-        if not fs.exists(p):
-            return []
-        return [e.rstrip("/").rsplit("/", 1)[-1] for e in fs.ls(p, detail=False)]
-    return os.listdir(path) if os.path.isdir(path) else []
-
-
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-    except OSError:
-        pass
-
-
 # ---------------------------------------------------------------- discovery
-def _meta(ckpt_dir: str) -> Optional[dict]:
+def _meta(ckpt_dir: str) -> dict | None:
     m = _join(ckpt_dir, MARKER)
     if not _exists(m):
         return None
@@ -160,7 +85,7 @@ def list_checkpoints(root: str) -> list[tuple[int, str]]:
     return sorted(out)
 
 
-def latest_checkpoint(root: str) -> Optional[str]:
+def latest_checkpoint(root: str) -> str | None:
     """The newest complete checkpoint under ``root`` (or ``root`` itself if it is one), else None."""
     root = str(root)
     if _meta(root) is not None:
@@ -175,7 +100,7 @@ def latest_checkpoint(root: str) -> Optional[str]:
     return found[-1][1] if found else None
 
 
-def _resolve(path: str, step: Optional[int]) -> str:
+def _resolve(path: str, step: int | None) -> str:
     path = str(path)
     if step is not None:
         cand = _join(path, f"step_{step:08d}")
@@ -265,30 +190,6 @@ def _write_payload(p: Prepared, ckpt_dir: str) -> None:
     dcp.save(state, storage_writer=_dcp_writer(_join(ckpt_dir, "model")))
 
 
-def _dcp_writer(path: str):
-    import torch.distributed.checkpoint as dcp
-
-    if is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
-
-        return FsspecWriter(path)
-    return dcp.FileSystemWriter(path)
-
-
-def _dcp_reader(path: str):
-    import torch.distributed.checkpoint as dcp
-
-    if is_url(path):
-        from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
-
-        return FsspecReader(path)
-    return dcp.FileSystemReader(path)
-
-
-def _local_stage(uid: str) -> str:
-    return os.path.join(tempfile.gettempdir(), f"gpulaunch-ckpt-{uid}")
-
-
 def _write_deepspeed(p: DeepSpeedPrepared, ckpt_dir: str) -> None:
     if not is_url(ckpt_dir):
         p.engine.save_checkpoint(_join(ckpt_dir, "model"), tag=_DS_TAG, save_latest=False)
@@ -308,7 +209,7 @@ def _write_deepspeed(p: DeepSpeedPrepared, ckpt_dir: str) -> None:
             shutil.rmtree(stage, ignore_errors=True)
 
 
-def _publish(tmp_dir: Optional[str], final_dir: str, root: str, meta: dict) -> None:
+def _publish(tmp_dir: str | None, final_dir: str, root: str, meta: dict) -> None:
     """Rank 0, after every rank wrote its part: mark complete, move into place, point ``latest`` at it."""
     if tmp_dir is None:  # object store: files are already in final_dir; the marker makes it count
         _write_bytes(_join(final_dir, MARKER), json.dumps(meta).encode())
@@ -327,7 +228,7 @@ def _publish(tmp_dir: Optional[str], final_dir: str, root: str, meta: dict) -> N
 
 
 def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=None,
-                    keep: Optional[int] = None) -> str:
+                    keep: int | None = None) -> str:
     """Save a checkpoint for ``step`` under the root ``path``; call it on every rank.
 
     ``prepared`` is what :func:`prepare` returned (or an ``nn.Module`` plus ``optimizer=``).
@@ -384,7 +285,7 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
     return final_dir
 
 
-def load_checkpoint(path, prepared, *, step: Optional[int] = None, optimizer=None,
+def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
                     load_optimizer: bool = True, strict: bool = True) -> dict:
     """Load the newest complete checkpoint under ``path`` (or ``step``'s, or ``path`` itself).
 
@@ -406,9 +307,13 @@ def load_checkpoint(path, prepared, *, step: Optional[int] = None, optimizer=Non
         _load_deepspeed(p, ckpt, load_optimizer)
     else:
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
-                                                             get_state_dict, set_model_state_dict,
-                                                             set_state_dict)
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_model_state_dict,
+            get_state_dict,
+            set_model_state_dict,
+            set_state_dict,
+        )
 
         opts = StateDictOptions(strict=strict)
         if p.optimizer is not None and load_optimizer:
@@ -457,63 +362,3 @@ def _load_deepspeed(p: DeepSpeedPrepared, ckpt: str, load_optimizer: bool) -> No
             _env.barrier()
             if _env.local_rank() == 0:
                 shutil.rmtree(stage, ignore_errors=True)
-
-
-# ---------------------------------------------------------------- export
-def export(path, out: Optional[str] = None, *, step: Optional[int] = None,
-           dtype: Optional[torch.dtype] = None) -> dict[str, torch.Tensor]:
-    """Consolidate any strategy's checkpoint into one plain ``state_dict`` (run it in ONE process).
-
-    ``path`` is a checkpoint root or folder. With ``out`` ending in ``.safetensors`` the weights are
-    written with safetensors, otherwise with ``torch.save``; local files are written atomically.
-    The result loads into the non-distributed model with ``model.load_state_dict(...)``. Needs host
-    RAM for the full model (fp32) plus, for ZeRO, DeepSpeed's fp32 partitions while merging.
-    """
-    ckpt = _resolve(str(path), step)
-    meta = _meta(ckpt)
-    if meta["format"] == "deepspeed":
-        sd = _export_deepspeed(ckpt)
-    else:
-        sd = _export_dcp(ckpt)
-    sd = {k: (v.to(dtype) if dtype is not None and v.is_floating_point() else v).contiguous()
-          for k, v in sd.items()}
-    if out is not None:
-        out = str(out)
-        if out.endswith(".safetensors"):
-            from safetensors.torch import save as st_save
-
-            # safetensors refuses tensors that share memory (tied weights): give each its own
-            seen, clean = set(), {}
-            for k, v in sd.items():
-                ptr = (v.untyped_storage().data_ptr(), v.storage_offset())
-                clean[k] = v.clone() if ptr in seen else v
-                seen.add(ptr)
-            _write_bytes(out, st_save(clean, metadata={"format": "pt", "step": str(meta["step"]),
-                                                       "strategy": meta["strategy"]}))
-        else:
-            _torch_save(sd, out)
-    return sd
-
-
-def _export_dcp(ckpt: str) -> dict[str, torch.Tensor]:
-    from torch.distributed.checkpoint.default_planner import _EmptyStateDictLoadPlanner
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict
-
-    sd: dict[str, Any] = {}
-    _load_state_dict(sd, storage_reader=_dcp_reader(_join(ckpt, "model")),
-                     planner=_EmptyStateDictLoadPlanner(keys={"model"}), no_dist=True)
-    return dict(sd["model"])
-
-
-def _export_deepspeed(ckpt: str) -> dict[str, torch.Tensor]:
-    try:
-        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
-    except ImportError as e:
-        raise ParallelError(f"exporting a ZeRO checkpoint needs DeepSpeed installed: {e}") from e
-    src = _join(ckpt, "model")
-    if is_url(ckpt):
-        with tempfile.TemporaryDirectory() as d:
-            fs, remote = _fs(src)
-            fs.get(remote.rstrip("/") + "/", d, recursive=True)
-            return dict(get_fp32_state_dict_from_zero_checkpoint(d, tag=_DS_TAG))
-    return dict(get_fp32_state_dict_from_zero_checkpoint(src, tag=_DS_TAG))

@@ -15,16 +15,24 @@ from __future__ import annotations
 
 import random
 import warnings
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Union
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset, get_worker_info
+from torch.utils.data import (
+    DataLoader,
+    Dataset,
+    DistributedSampler,
+    IterableDataset,
+    get_worker_info,
+)
 
 from . import _env
 from ._env import ParallelError, is_url
 
-__all__ = ["distributed_loader", "DistributedLoader", "ShardedFileDataset", "read_lines", "seed_everything"]
+__all__ = ["DistributedLoader", "ShardedFileDataset", "distributed_loader", "read_lines", "seed_everything",
+           "to_device"]
 
 
 def seed_everything(seed: int) -> None:
@@ -42,7 +50,7 @@ def seed_everything(seed: int) -> None:
 class _WorkerSeeder:
     """Picklable ``worker_init_fn``: a distinct, reproducible seed per (seed, epoch, rank, worker)."""
 
-    def __init__(self, seed: int, rank: int, user_fn: Optional[Callable] = None):
+    def __init__(self, seed: int, rank: int, user_fn: Callable | None = None):
         self.seed, self.rank, self.user_fn, self.epoch = seed, rank, user_fn, 0
 
     def __call__(self, worker_id: int):
@@ -52,8 +60,31 @@ class _WorkerSeeder:
             self.user_fn(worker_id)
 
 
+def to_device(batch, device: torch.device, non_blocking: bool = True):
+    """``batch`` (a tensor, or dicts / lists / tuples of them) on ``device``; from pinned memory to
+    a GPU the copies are asynchronous, so the host goes on queueing the step meanwhile."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=non_blocking)
+    if isinstance(batch, dict):
+        return type(batch)((k, to_device(v, device, non_blocking)) for k, v in batch.items())
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):   # namedtuple
+        return type(batch)(*(to_device(v, device, non_blocking) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_device(v, device, non_blocking) for v in batch)
+    return batch
+
+
 class DistributedLoader(DataLoader):
-    """A ``DataLoader`` whose ``set_epoch(epoch)`` reaches its sampler, its dataset and its worker seeds."""
+    """A ``DataLoader`` whose ``set_epoch(epoch)`` reaches its sampler, its dataset and its worker
+    seeds, and which, given a ``device``, hands out batches already on it."""
+
+    _gl_device: torch.device | None = None
+
+    def __iter__(self):
+        it = super().__iter__()
+        if self._gl_device is None:
+            return it
+        return (to_device(b, self._gl_device, non_blocking=self.pin_memory) for b in it)
 
     def set_epoch(self, epoch: int) -> None:
         if hasattr(self.sampler, "set_epoch"):
@@ -68,13 +99,19 @@ class DistributedLoader(DataLoader):
 
 def distributed_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = True, seed: int = 0,
                        drop_last: bool = False, num_workers: int = 0,
-                       rank: Optional[int] = None, world_size: Optional[int] = None,
+                       rank: int | None = None, world_size: int | None = None,
+                       device: torch.device | str | None = None, pin_memory: bool | None = None,
                        **loader_kwargs) -> DistributedLoader:
     """A ``DataLoader`` for this rank: ``batch_size`` is per rank (global batch = batch_size * world).
 
     Map-style datasets get a ``DistributedSampler`` (shuffled with ``seed + epoch``, same order
     on all ranks, disjoint slices). Iterable datasets must shard themselves (see
     :class:`ShardedFileDataset`). Call ``loader.set_epoch(epoch)`` at the start of each epoch.
+
+    ``device``: hand out batches on this device (``"auto"``: this rank's, as
+    :func:`gpulaunch.runtime.device` says), copied without blocking the host. ``pin_memory``:
+    default on when batches go to a GPU (or, without ``device``, when this rank has one), so those
+    copies are asynchronous DMA instead of a staged, synchronous copy.
     """
     if "sampler" in loader_kwargs:
         raise ParallelError("distributed_loader builds its own DistributedSampler; use a plain DataLoader "
@@ -92,13 +129,20 @@ def distributed_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = Tru
     else:
         sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
                                      seed=seed, drop_last=drop_last)
+    if device == "auto":
+        device = _env.default_device()
+    device = torch.device(device) if device is not None else None
+    if pin_memory is None:
+        target = device if device is not None else _env.default_device()
+        pin_memory = target.type == "cuda"
     gen = torch.Generator()
     gen.manual_seed(seed)
     loader = DistributedLoader(dataset, batch_size=batch_size, sampler=sampler, drop_last=drop_last,
                                num_workers=num_workers, generator=gen,
                                worker_init_fn=_WorkerSeeder(seed, rank, loader_kwargs.pop("worker_init_fn", None)),
-                               persistent_workers=False, **loader_kwargs)
+                               persistent_workers=False, pin_memory=pin_memory, **loader_kwargs)
     loader._gl_seed = seed
+    loader._gl_device = device
     return loader
 
 
@@ -118,7 +162,7 @@ def read_lines(f) -> Iterator[str]:
         yield line.decode("utf-8").rstrip("\n") if isinstance(line, bytes) else line.rstrip("\n")
 
 
-def _expand(files: Union[str, Sequence[str]]) -> list[str]:
+def _expand(files: str | Sequence[str]) -> list[str]:
     if isinstance(files, str):
         files = [files]
     out: list[str] = []
@@ -149,9 +193,9 @@ class ShardedFileDataset(IterableDataset):
         rank, world_size: default to the process group's (or ``RANK``/``WORLD_SIZE``).
     """
 
-    def __init__(self, files: Union[str, Sequence[str]], read_fn: Callable[[Any], Iterable[Any]] = read_lines,
+    def __init__(self, files: str | Sequence[str], read_fn: Callable[[Any], Iterable[Any]] = read_lines,
                  *, shuffle: bool = True, seed: int = 0, drop_last: bool = False,
-                 rank: Optional[int] = None, world_size: Optional[int] = None):
+                 rank: int | None = None, world_size: int | None = None):
         self.files = _expand(files)
         if not self.files:
             raise ParallelError(f"ShardedFileDataset got no files (from {files!r})")
@@ -159,12 +203,12 @@ class ShardedFileDataset(IterableDataset):
         self.rank = _env.rank() if rank is None else rank
         self.world_size = _env.world_size() if world_size is None else world_size
         self.epoch = 0
-        self.num_workers_hint: Optional[int] = None
+        self.num_workers_hint: int | None = None
 
     def set_epoch(self, epoch: int) -> None:
         self.epoch = epoch
 
-    def files_for(self, rank: int, worker: int, num_workers: int, epoch: Optional[int] = None) -> list[str]:
+    def files_for(self, rank: int, worker: int, num_workers: int, epoch: int | None = None) -> list[str]:
         """The files that ``(rank, worker)`` reads in ``epoch``: a pure function, handy for checks."""
         epoch = self.epoch if epoch is None else epoch
         order = list(self.files)
