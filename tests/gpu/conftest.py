@@ -158,6 +158,29 @@ def keep(request):
                 shutil.copy2(f, target)
 
 
+# Tests that need no quiet GPU (no memory baseline, no timings kept): the recipes run beside them.
+OVERLAP_RECIPES_WITH = ("test_gpu_parallel", "test_gpu_tracking")
+
+
+@pytest.fixture(scope="session")
+def recipes_started(tmp_path_factory):
+    """The eight recipes of recipe_runs.py, started together once; any still running at the
+    end of the session is stopped (its own process group, by pid)."""
+    from .recipe_runs import Runs
+    runs = Runs(tmp_path_factory.mktemp("recipes"))
+    yield runs
+    runs.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _recipes_in_background(request):
+    """Start the recipes when the first test that may share the GPU with them begins (if any
+    recipe test is selected), so that their minutes overlap those tests' instead of adding."""
+    if Path(str(request.node.path)).stem in OVERLAP_RECIPES_WITH and any(
+            item.get_closest_marker("recipe") for item in request.session.items):
+        request.getfixturevalue("recipes_started")
+
+
 def pytest_runtest_logreport(report):
     """One JSON line per test phase that matters, written as it happens: the summary is still
     there if the run is cut short (the device call's time limit)."""

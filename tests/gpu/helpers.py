@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import importlib.util
 import json
 import os
 import re
@@ -90,10 +91,16 @@ def gpu_type_name(device_name: str) -> str | None:
 
 
 # --------------------------------------------------------------------------- packages
-def require(module: str, wheel: str | None = None):
+def require(module: str, wheel: str | None = None, *, load: bool = True):
     """Import ``module`` or fail: on the GPU host a missing package is never a skip. It means
-    its wheel was not carried (scripts/gpu_wheels.sh builds .whl/, the device call carries it)."""
+    its wheel was not carried (scripts/gpu_wheels.sh builds .whl/, the device call carries it).
+    ``load=False`` only finds it, for packages the ranks use and this caller must not import
+    (DeepSpeed probes the GPU when imported; this process must never touch CUDA)."""
     try:
+        if not load:
+            if importlib.util.find_spec(module) is None:
+                raise ModuleNotFoundError(f"No module named {module!r}")
+            return None
         return importlib.import_module(module)
     except Exception as e:  # noqa: BLE001 - any import failure is the same finding
         pytest.fail(f"{module} is not importable on this GPU host ({type(e).__name__}: {e}). "

@@ -9,14 +9,17 @@ model built from another seed, and that model's logits on a probe batch must equ
 model's within ``PROBE_ATOL``.
 
 Tolerances: bf16 is not bit-reproducible across these code paths (autocast for none/DDP, bf16
-parameters for FSDP2's MixedPrecisionPolicy and for DeepSpeed), so losses differ by rounding;
-``BF16_ATOL`` = 0.05 over 10 steps is what bench/parallel_gpu.py allows at the 1B shape. A
-strategy that does not train (a missed step, a wrong gradient scale, an optimizer on stale
-parameters) moves the loss by far more within these steps. The probe: a model not restored
-(another seed) is off by ~1 in logits; a restored one only by bf16 rounding.
+parameters for FSDP2's MixedPrecisionPolicy and for DeepSpeed), so losses differ by rounding.
+Rehearsed on CPU (gloo, same code, 2026-12-03): the loss falls 5.60 -> 2.27 in 10 steps; none
+equals the plain loop exactly, DDP (2 ranks) is within 2.2e-3, FSDP2 1.6e-2, ZeRO-1/2/3 1.5e-2,
+so ``BF16_ATOL`` = 0.1 leaves ~6x headroom while a strategy that does not train (a missed step,
+an optimizer on stale parameters, a lost update) stays near 5.6, off by more than 1. The
+probe: a model not restored (another seed, untrained) is off by the trained logits themselves
+(their spread is recorded as ``probe_spread``); a restored one was off by 0 (CPU).
 
 On two or more GPUs a second test checks world-size-N equivalence in fp32: DDP, FSDP2 and
-ZeRO-2 on N ranks against the single-process loop on the global batch, within 1e-3 relative.
+ZeRO-2 on N ranks against the single-process loop on the global batch, within 1e-3 relative
+(CPU rehearsal, 2 ranks: 4.8e-7 absolute for all three).
 """
 
 from __future__ import annotations
@@ -30,20 +33,24 @@ from gpulaunch import runtime as rt
 from .helpers import require
 
 pytestmark = pytest.mark.gpu
-CFG = {"vocab_size": 512, "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
-       "ffn_dim": 512, "max_seq_len": 128}
-SEQ, GLOBAL_BATCH, STEPS, LR = 128, 8, 10, 3e-3
+CFG = {"vocab_size": 256, "dim": 256, "n_layers": 4, "n_heads": 8, "n_kv_heads": 4,
+       "ffn_dim": 512, "max_seq_len": 64}
+SEQ, GLOBAL_BATCH, STEPS, LR = 64, 8, 10, 1e-3
 STRATEGIES = ["none", "ddp", "fsdp", "zero1", "zero2", "zero3"]
-BF16_ATOL, MIN_DROP, PROBE_ATOL = 0.05, 0.5, 2e-2
+BF16_ATOL, MIN_DROP, PROBE_ATOL = 0.1, 1.0, 2e-2
 FP32_RTOL = 1e-3
 WRAPPERS = {"none": "Llama", "ddp": "DistributedDataParallel", "fsdp": "FSDPLlama",
             "zero1": "DeepSpeedEngine", "zero2": "DeepSpeedEngine", "zero3": "DeepSpeedEngine"}
 
 
 def _batch(step: int, rank: int, world: int):
-    """A learnable global batch (each row an arithmetic progression mod vocab), rank's slice."""
+    """The global batch (each row an arithmetic progression mod vocab), this rank's slice. The
+    same batch every step (``step`` is unused): memorising it gives a smooth loss curve that
+    runs can be compared on. With a fresh batch per step, bf16 runs drift apart chaotically
+    (measured on CPU: autocast and bf16-parameter runs 0.35 apart after 7 steps at lr 3e-3),
+    which would hide a real difference in noise."""
     import torch
-    g = torch.Generator().manual_seed(1000 + step)
+    g = torch.Generator().manual_seed(1000)
     v = CFG["vocab_size"]
     start = torch.randint(0, v, (GLOBAL_BATCH, 1), generator=g)
     stride = torch.randint(1, 4, (GLOBAL_BATCH, 1), generator=g)
@@ -138,7 +145,7 @@ def _launch(strategies, mixed, tmp_path):
 @pytest.mark.timeout(240)
 def test_prepare_every_strategy_in_bf16_matches_the_plain_loop_and_round_trips(
         gpu, record, tmp_path):
-    require("deepspeed", "deepspeed (built from its sdist by scripts/gpu_wheels.sh)")
+    require("deepspeed", "deepspeed (built from its sdist by scripts/gpu_wheels.sh)", load=False)
     results = _launch(STRATEGIES, "bf16", tmp_path)
     r = results[0]
     ref = r["reference"]
@@ -169,7 +176,7 @@ def test_prepare_every_strategy_in_bf16_matches_the_plain_loop_and_round_trips(
 @pytest.mark.gpus(2)
 @pytest.mark.timeout(240)
 def test_world_size_n_matches_the_single_process_loop_in_fp32(gpu, record, tmp_path):
-    require("deepspeed", "deepspeed (built from its sdist by scripts/gpu_wheels.sh)")
+    require("deepspeed", "deepspeed (built from its sdist by scripts/gpu_wheels.sh)", load=False)
     strategies = ["ddp", "fsdp", "zero2"]
     r = _launch(strategies, None, tmp_path)[0]
     ref = r["reference"]
