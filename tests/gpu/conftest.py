@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import tarfile
 import time
 from pathlib import Path
@@ -39,13 +38,16 @@ for _k, _v in (("NCCL_NVLS_ENABLE", "0"), ("TORCH_SYMM_MEM_DISABLE_MULTICAST", "
     os.environ.setdefault(_k, _v)
 
 HERE = Path(__file__).resolve().parent
-# The order tests run in: the launcher's basics first (their timings are taken on an idle
-# machine), the recipes (run concurrently) late, the caller's final CUDA check last.
-MODULE_ORDER = ("test_gpu_launch", "test_gpu_failures", "test_gpu_restart", "test_gpu_parallel",
-                "test_gpu_tracking", "test_gpu_recipes", "test_gpu_zz_caller")
+# The order tests run in: the launcher's basics first (their timings, memory baselines and
+# NVML readings are taken on an idle GPU), then the parallel strategies with the recipes
+# running beside them, the caller's final CUDA check last.
+MODULE_ORDER = ("test_gpu_launch", "test_gpu_failures", "test_gpu_restart", "test_gpu_tracking",
+                "test_gpu_parallel", "test_gpu_recipes", "test_gpu_zz_caller")
 RECORDS: dict[str, dict] = {}
 ARTIFACTS = Path(os.environ.get("GPU_SUITE_ARTIFACTS") or "/tmp/gpu-suite-artifacts")
-_SMALL = 1 << 20            # files kept from a failed test's run directory: at most 1 MiB each
+_SMALL = 1 << 20            # of each file kept from a failed test's runs: its last MiB
+_KEEP_TOTAL = 12 << 20      # all kept files together (one file back from the device: <16 MiB)
+_kept_bytes = [0]
 
 
 def pytest_configure(config):
@@ -147,38 +149,26 @@ def keep(request):
     rep = getattr(request.node, "rep_call", None)
     if rep is None or not rep.failed:
         return
-    dest = ARTIFACTS / request.node.nodeid.replace("/", "_").replace("::", "__")[-120:]
-    for src in paths:
+    _save_small_files(paths, ARTIFACTS / request.node.nodeid.replace("/", "_")
+                      .replace("::", "__")[-120:])
+
+
+def _save_small_files(paths: list[Path], dest: Path) -> None:
+    for src in (p for p in paths if p.exists()):
         files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
         for f in files:
-            if f.stat().st_size <= _SMALL and f.suffix not in (".pt", ".pkl", ".distcp"):
-                rel = f.name if src.is_file() else f.relative_to(src)
-                target = dest / src.name / rel
-                target.parent.mkdir(parents=True, exist_ok=True)
-                shutil.copy2(f, target)
-
-
-# Tests that need no quiet GPU (no memory baseline, no timings kept): the recipes run beside them.
-OVERLAP_RECIPES_WITH = ("test_gpu_parallel", "test_gpu_tracking")
-
-
-@pytest.fixture(scope="session")
-def recipes_started(tmp_path_factory):
-    """The eight recipes of recipe_runs.py, started together once; any still running at the
-    end of the session is stopped (its own process group, by pid)."""
-    from .recipe_runs import Runs
-    runs = Runs(tmp_path_factory.mktemp("recipes"))
-    yield runs
-    runs.stop_all()
-
-
-@pytest.fixture(autouse=True)
-def _recipes_in_background(request):
-    """Start the recipes when the first test that may share the GPU with them begins (if any
-    recipe test is selected), so that their minutes overlap those tests' instead of adding."""
-    if Path(str(request.node.path)).stem in OVERLAP_RECIPES_WITH and any(
-            item.get_closest_marker("recipe") for item in request.session.items):
-        request.getfixturevalue("recipes_started")
+            if f.suffix in (".pt", ".distcp", ".safetensors", ".bin") or \
+                    (f.suffix == ".pkl" and not f.name.endswith("nccl_trace.pkl")):
+                continue            # weights and payloads: large, and no help in reading a failure
+            size = f.stat().st_size
+            if _kept_bytes[0] + min(size, _SMALL) > _KEEP_TOTAL:
+                return
+            target = dest / (f.name if src.is_file() else Path(src.name) / f.relative_to(src))
+            target.parent.mkdir(parents=True, exist_ok=True)
+            with open(f, "rb") as fin, open(target, "wb") as fout:
+                fin.seek(max(0, size - _SMALL))     # a long log: its last MiB
+                fout.write(fin.read())
+            _kept_bytes[0] += min(size, _SMALL)
 
 
 def pytest_runtest_logreport(report):

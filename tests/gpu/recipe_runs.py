@@ -1,5 +1,6 @@
 """The recipes of recipes/ as a user runs them (``python recipes/<name>.py ...``), eight caller
-processes started together in the background (conftest's ``recipes_started``), each with two
+processes started together in the background (conftest's ``recipes_started``, when the
+parallel-strategy test starts or the first recipe test, whichever comes first), each with two
 CPU threads, its own folders (data, checkpoints, HF cache, run directories, TMPDIR) and tracking
 off (test_gpu_tracking.py covers MLflow). On one H200 they are launch- and import-bound, so side
 by side they cost about as much as the slowest one instead of their sum.

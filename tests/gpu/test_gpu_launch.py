@@ -62,10 +62,12 @@ def test_every_gpu_gets_a_rank_and_cuda_results_reach_a_caller_that_never_touche
              for c in p["calls"]}
     record(import_torch_s=p["import_torch_s"], calls=times)
     write_out("gpu-launch-times.json", {
-        "what": "seconds from .distributed() to: the function's first line in the slowest "
-                "rank... (to_function_s: the fastest), rt.init() done, the first NCCL "
-                "all_reduce done (synchronised), the call's return; three calls in one fresh "
-                "caller process; recorded, not asserted",
+        "what": "seconds after .distributed() was called until: the fastest rank entered "
+                "the function (to_function_s), the slowest had its process group "
+                "(to_process_group_s), the slowest finished its first NCCL all_reduce, "
+                "synchronised (to_first_collective_s), and the call returned (whole_s); "
+                "three calls in one fresh caller process, the third after idle_before_s of "
+                "idle; recorded, not asserted",
         "gpus": n, "gpu": gpu.name, "caller_import_torch_s": p["import_torch_s"],
         "calls": times})
 
