@@ -50,10 +50,18 @@ class Run:
 
 def _shape(smoke: bool, arch: str, seq: int, mb: int, ga: int, steps: int, *more) -> list[str]:
     if smoke:   # tiny model, CPU, 1 rank: the same code paths in a few seconds of training
+        keep, skip = [], 0
+        for m in more:   # the smoke shape's own settings win over the real run's
+            if skip:
+                skip -= 1
+            elif m in ("--measure-after", "--eval-batches", "--lr", "--warmup-steps"):
+                skip = 1
+            else:
+                keep.append(m)
         return ["--arch", arch, "--gpus", "1", "--data", "long", "--seq-len", "256",
                 "--batch-size", "2", "--grad-accum", "1", "--max-steps", "4",
                 "--measure-after", "1", "--eval-steps", "4", "--eval-batches", "1",
-                "--report-to", "none", *[m for m in more if m not in ("--full",)]]
+                "--report-to", "none", *keep]
     return ["--arch", arch, "--full", "--gpus", "1", "--data", "long", "--seq-len", str(seq),
             "--batch-size", str(mb), "--grad-accum", str(ga), "--max-steps", str(steps),
             "--eval-steps", str(steps), "--logging-steps", "5", "--report-to", "none", *more]
@@ -106,14 +114,21 @@ def plan(phase: int, smoke: bool) -> list[list[Run]]:
     ]
 
 
+def python_for(site: str) -> str:
+    """The interpreter of a run: this one (the GPU image's, with the site's packages on
+    PYTHONPATH), or a framework's own venv (``LLM_PYTHON_<SITE>``, the CPU smoke run)."""
+    return os.environ.get(f"LLM_PYTHON_{site.upper()}") or sys.executable
+
+
 def command(run: Run, results: Path) -> list[str]:
-    script = str(ROOT / "recipes" / f"{run.recipe}.py")
-    head = {"gpulaunch": [sys.executable],
-            "torchrun": [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                         "--nproc-per-node", "1"],
+    script = f"recipes/{run.recipe}.py"           # runs from the repository root
+    py = python_for(run.site)
+    head = {"gpulaunch": [py],
+            "torchrun": [py, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node",
+                         "1"],
             # accelerate's DeepSpeed launcher: one process through torchrun, with Accelerate's
             # DeepSpeed environment (the recipe's own ZeRO-3 dict is what configures it)
-            "accelerate": [sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed",
+            "accelerate": [py, "-m", "accelerate.commands.launch", "--use_deepspeed",
                            "--zero_stage", "3", "--num_processes", "1", "--num_machines", "1"],
             }[run.launcher]
     return [*head, script, *run.args, "--results", str(results),
@@ -133,6 +148,7 @@ def execute(run: Run, res_dir: Path, log_dir: Path, deadline: float) -> dict:
     log = log_dir / f"{run.label}.log"
     limit = max(10.0, min(run.limit_s, deadline - time.time()))
     cmd = command(run, results)
+    py = python_for(run.site)
     env = {**os.environ, **site_env(run.site), **run.extra_env}
     t0 = time.time()
     with open(log, "w") as f:
@@ -140,7 +156,7 @@ def execute(run: Run, res_dir: Path, log_dir: Path, deadline: float) -> dict:
         f.flush()
         try:
             proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
-                                  timeout=limit, start_new_session=True)
+                                  timeout=limit, start_new_session=True, check=False)
             rc = proc.returncode
         except subprocess.TimeoutExpired:
             rc = "timeout"
@@ -148,7 +164,7 @@ def execute(run: Run, res_dir: Path, log_dir: Path, deadline: float) -> dict:
     subprocess.run(["rm", "-rf", f"/tmp/llm-out/{run.label}"], check=False)
     out = {"label": run.label, "recipe": run.recipe, "launcher": run.launcher, "row": run.row,
            "group": run.group, "rc": rc, "wall_s": round(wall, 2), "limit_s": round(limit),
-           "command": shlex.join(["python3" if c == sys.executable else c for c in cmd])}
+           "command": shlex.join(["python3" if c == py else c for c in cmd])}
     if results.exists():
         out["result"] = json.loads(results.read_text())
     else:
@@ -177,12 +193,12 @@ def parity(runs: list[dict]) -> dict:
             if r["group"] == group and r.get("result"):
                 by.setdefault(r["launcher"], []).append(r)
 
-        def mean(launcher, key, inner=True):
+        def mean(launcher, key, inner=True, by=by):
             vals = [(x["result"].get(key) if inner else x.get(key)) for x in by.get(launcher, [])]
             vals = [v for v in vals if v is not None]
             return sum(vals) / len(vals) if vals else None
 
-        def startup(launcher):
+        def startup(launcher, by=by):
             vals = [x["result"].get("time_split", {}).get("startup_s") for x in by.get(launcher, [])]
             vals = [v for v in vals if v is not None]
             return sum(vals) / len(vals) if vals else None
@@ -203,8 +219,8 @@ def parity(runs: list[dict]) -> dict:
 
 def markdown(runs: list[dict], par: dict, phase: int) -> str:
     lines = [f"### Phase {phase}", "",
-             "| run | technique in effect | seq x mb x ga, fill | steady tokens/s | MFU | peak GiB "
-             "| eval loss start -> end | start-up / eval / save / total s | rc |",
+             ("| run | technique in effect | seq x mb x ga, fill | steady tokens/s | MFU | peak GiB "
+              "| eval loss start -> end | start-up / eval / save / total s | rc |"),
              "|---" * 9 + "|"]
     for r in runs:
         x = r.get("result", {})
@@ -213,7 +229,8 @@ def markdown(runs: list[dict], par: dict, phase: int) -> str:
             f"| {r['label']} | {x.get('technique', '-')} ({x.get('wrapper', '-')}) | "
             f"{x.get('seq_len', '-')} x {x.get('micro_batch', '-')} x {x.get('grad_accum', '-')}, "
             f"{_f(x.get('fill'), 3)} | {_f(x.get('steady_tokens_per_second'), 0)} | "
-            f"{_f(100 * x['mfu'] if x.get('mfu') else None)}% | {_f(x.get('peak_memory_gib'))} | "
+            f"{_f(100 * x['mfu'] if x.get('mfu') else None)}{'%' if x.get('mfu') else ''} | "
+            f"{_f(x.get('peak_memory_gib'))} | "
             f"{_f(x.get('eval_loss_before'), 3)} -> {_f(x.get('eval_loss_after'), 3)} | "
             f"{_f(ts.get('startup_s'))} / {_f(ts.get('eval_s'))} / {_f(ts.get('save_s'))} / "
             f"{_f(ts.get('total_s'))} | {r['rc']} |")
@@ -234,7 +251,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--phase", type=int, choices=(1, 2), required=True)
     ap.add_argument("--smoke", action="store_true")
-    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", 430)))
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", "430")))
     ap.add_argument("--only", default="", help="comma list of run labels (default: all)")
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out-llm")))
     args = ap.parse_args(argv)
@@ -252,6 +269,12 @@ def main(argv=None) -> int:
     summary = {"phase": args.phase, "smoke": args.smoke, "versions": versions(),
                "budget_s": args.budget_s, "runs": [], "skipped": []}
     for group in groups:
+        missing = [r.label for r in group if not available(r.site)]
+        if missing:
+            summary["skipped"].append({"runs": missing, "why": "framework not carried "
+                                       "(LLM_SITE_<NAME> / LLM_PYTHON_<NAME> unset)"})
+            print(f"--- skipped {missing}: framework not carried", flush=True)
+            continue
         need = sum(min(r.limit_s, 60.0 if args.smoke else r.limit_s * 0.4) for r in group)
         if time.time() + need > deadline:
             summary["skipped"].append({"runs": [r.label for r in group],
@@ -268,6 +291,12 @@ def main(argv=None) -> int:
     return 0
 
 
+def available(site: str) -> bool:
+    """Whether a framework's packages came (site tree) or its venv is named (smoke)."""
+    return site == "trl" or bool(os.environ.get(f"LLM_SITE_{site.upper()}")
+                                 or os.environ.get(f"LLM_PYTHON_{site.upper()}"))
+
+
 def versions() -> dict:
     code = ("import importlib, json, torch\nv = {'torch': torch.__version__, 'cuda': "
             "torch.cuda.is_available(), 'gpu': torch.cuda.get_device_name(0) if "
@@ -278,10 +307,10 @@ def versions() -> dict:
             "print(json.dumps(v))")
     out = {}
     for site in ("trl", "unsloth", "axolotl"):
-        if site != "trl" and not os.environ.get(f"LLM_SITE_{site.upper()}"):
+        if site != "trl" and not available(site):
             continue
-        p = subprocess.run([sys.executable, "-c", code], env={**os.environ, **site_env(site)},
-                           capture_output=True, text=True, timeout=120)
+        p = subprocess.run([python_for(site), "-c", code], env={**os.environ, **site_env(site)},
+                           capture_output=True, text=True, timeout=120, check=False)
         out[site] = json.loads(p.stdout.strip().splitlines()[-1]) if p.returncode == 0 else \
             p.stderr[-800:]
     return out

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -108,7 +110,8 @@ def train(opts: options.RecipeOptions) -> dict:
         **result, "technique": technique, "world_size": rt.get_world_size(),
         "precision": prec, "framework": f"unsloth {unsloth.__version__}",
         "parameters": architectures.count_parameters(trainer.model),
-        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters()
+                                    if p.requires_grad),
         "output": opts.output_path() if opts.save else None})
 
 

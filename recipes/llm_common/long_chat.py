@@ -120,6 +120,6 @@ def write_jsonl(ds, path: Path) -> str:
     """A dataset's rows as chat JSONL (for frameworks that read files: Axolotl, LLM Foundry)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "w") as f:
-        for row in ds:
-            f.write(json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n")
+        f.writelines(json.dumps({"messages": row["messages"]}, ensure_ascii=False) + "\n"
+                     for row in ds)
     return str(path)

@@ -22,11 +22,13 @@ PEAK_BF16_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, 
 
 
 def matmul_parameters(config) -> float:
-    """N of the convention, from the model's config (built on the meta device: no memory)."""
+    """N of the convention, from the model's config (built on the meta device: no memory).
+    The class is called directly, not through ``from_config``, which under an active ZeRO-3
+    config would partition the meta model with ``deepspeed.zero.Init``."""
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     tied = bool(getattr(config, "tie_word_embeddings", False))
     experts = getattr(config, "num_local_experts", None) or getattr(config, "num_experts", None)
     top_k = getattr(config, "num_experts_per_tok", None)

@@ -20,7 +20,7 @@ class RecipeOptions:
     arch: str = "llama-3.2-1b"
     model: str | None = None          # local directory with real weights (and maybe a tokenizer)
     full: bool = False                # random init at the real shape (throughput runs)
-    data: str | None = None           # JSONL/Parquet in chat format, or "long"; default: shipped set
+    data: str | None = None           # JSONL/Parquet chats, "long" or "shipped" (the default)
     eval_data: str | None = None
     output: str | None = None         # local path or fsspec URL; default outputs/<recipe>
     gpus: int | None = None           # ranks; None = every GPU here (2 CPU workers without)
@@ -126,6 +126,8 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
     given = {k: v for k, v in vars(ns).items() if v is not None and k != "extra"}
     opts = dataclasses.replace(defaults, **given)
     opts.started_at = _process_start()
+    if opts.data == "shipped":      # said explicitly: the shipped rows (what no --data means)
+        opts.data = None
     user_extra = _parse_extra(ns.extra)
     opts.extra = {**defaults.extra, **user_extra}
     if opts.tiny and tiny_preset:
