@@ -2,16 +2,18 @@
 calls of at most 8 minutes each; ``bench/llm_recipes_gpu.sh`` installs the carried wheels and
 runs this with ``--phase 1`` or ``--phase 2``.
 
-Phase 1, launcher parity (Llama-3.2-1B shape, random init, ``--data long`` at 4 x 2048 tokens
-a step): one warm-up run first (the ZeRO-3 full fine-tune with save, export check and reload:
-also that recipe's real row), then for each TRL recipe the same command under gpulaunch (A)
-and torchrun (B) in the order A B B A, and for ZeRO-3 ``accelerate launch`` (C) in the middle:
-A B C C B A. Ratio: gpulaunch's steady-state training tokens/s over torchrun's (mean of the As
-over mean of the Bs), beside the whole command's wall time and the start-up seconds.
+Phase 1, launcher parity (Llama-3.2-1B shape, random init, ``--data long``: 4 x 2048 real
+tokens a step, 16 steps, the first 4 left out as warm-up): one warm-up run first (the first
+process on a fresh machine pays cold caches), then for each TRL recipe the same command under
+gpulaunch (A) and torchrun (B) in the order A B B A; for ZeRO-3 also ``accelerate launch`` (C,
+its DeepSpeed launcher) once in the middle: A B C B A. Ratio: gpulaunch's steady-state
+training tokens/s over torchrun's (mean of the As over mean of the Bs), beside each command's
+wall time and start-up seconds.
 
-Phase 2, real-shape rows: DDP full fine-tune at 1B (beside ZeRO-3), gpt-oss-20b LoRA under DDP,
-the gpt-oss-120b recipe's LoRA (experts adapted, FSDP2) on a 4-layer gpt-oss at its real width,
-Unsloth Llama-3.2-3B LoRA, Axolotl OLMo-3-7B QLoRA (4-bit base through bitsandbytes).
+Phase 2, real-shape rows: gpt-oss-20b LoRA under DDP, Axolotl OLMo-3-7B QLoRA (4-bit base
+through bitsandbytes), Unsloth Llama-3.2-3B LoRA, the gpt-oss-120b recipe's LoRA (experts
+adapted, FSDP2) on a 4-layer gpt-oss at its real width, and the DDP full fine-tune at 1B (beside
+ZeRO-3, with save, export check and reload); then any parity group phase 1 had no time for.
 
 Every run has its own time limit inside a global budget; a group that no longer fits is
 skipped and said so. After every run ``$OUT/summary-phase<N>.json`` / ``.md`` and
@@ -22,6 +24,7 @@ skipped and said so. After every run ``$OUT/summary-phase<N>.json`` / ``.md`` an
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -33,6 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+RESULTS, LOGS = Path("/tmp/llm-results"), Path("/tmp/llm-logs")   # kept on a warm machine
 
 
 @dataclass
@@ -43,6 +47,7 @@ class Run:
     launcher: str = "gpulaunch"       # gpulaunch | torchrun | accelerate
     site: str = "trl"                 # which carried packages go on PYTHONPATH
     limit_s: float = 120.0            # this run's own time limit
+    est_s: float = 60.0               # expected wall time (to skip what cannot fit)
     row: str = ""                     # what the row of the table is
     group: str = ""                   # parity group
     extra_env: dict = field(default_factory=dict)
@@ -68,50 +73,59 @@ def _shape(smoke: bool, arch: str, seq: int, mb: int, ga: int, steps: int, *more
 
 
 def plan(phase: int, smoke: bool) -> list[list[Run]]:
-    """Groups of runs; a group runs whole or not at all."""
+    """Groups of runs; a group runs whole or not at all. Estimates (``est_s``) are guesses for
+    the H200 from the 2026-12 runs (start-up ~20-25 s a process), used only to skip a group
+    that would not finish inside the budget."""
     s = smoke
-    one_b = _shape(s, "llama-3.2-1b", 2048, 4, 1, 20, "--measure-after", "4",
-                   "--eval-batches", "2", "--no-gradient-checkpointing", "--lr", "2e-4",
+    one_b = _shape(s, "llama-3.2-1b", 2048, 4, 1, 16, "--measure-after", "4",
+                   "--eval-batches", "1", "--no-gradient-checkpointing", "--lr", "2e-4",
                    "--warmup-steps", "2")
     lora = ["--lora-r", "8", "--lora-alpha", "16", "--lora-dropout", "0"]
     fsdp_cpu = ["-x", "on_cpu=ddp"] if smoke else []
     nosave = ["-x", "save=false"]
+    parity = []
+    for recipe, args, with_accel in (
+            ("trl_sft_lora_ddp", one_b + lora + nosave, False),
+            ("trl_sft_full_zero3", one_b + nosave, True),
+            ("trl_sft_lora_fsdp", one_b + lora + nosave + fsdp_cpu, False)):
+        # A B B A; with accelerate launch (C) once in the middle: A B C B A
+        order = ["A", "B", "C", "B", "A"] if with_accel else ["A", "B", "B", "A"]
+        launchers = {"A": "gpulaunch", "B": "torchrun", "C": "accelerate"}
+        parity.append([Run(f"parity_{recipe}_{i}{x}", recipe, args, launcher=launchers[x],
+                           limit_s=100, est_s=32, group=recipe, row=f"parity {launchers[x]}")
+                       for i, x in enumerate(order)])
     if phase == 1:
-        groups = [[Run("warmup_zero3_1b", "trl_sft_full_zero3", one_b, limit_s=150,
-                       row="ZeRO-3 full fine-tune, Llama-3.2-1B (warm-up run; with save, "
-                           "export check, reload)")]]
-        for recipe, args, with_accel in (
-                ("trl_sft_lora_ddp", one_b + lora + nosave, False),
-                ("trl_sft_full_zero3", one_b + nosave, True),
-                ("trl_sft_lora_fsdp", one_b + lora + nosave + fsdp_cpu, False)):
-            order = ["A", "B", "C", "C", "B", "A"] if with_accel else ["A", "B", "B", "A"]
-            launchers = {"A": "gpulaunch", "B": "torchrun", "C": "accelerate"}
-            groups.append([Run(f"parity_{recipe}_{i}{x}", recipe, args, launcher=launchers[x],
-                               limit_s=100, group=recipe, row=f"parity {launchers[x]}")
-                           for i, x in enumerate(order)])
-        return groups
+        warmup = Run("warmup_lora_ddp_1b", "trl_sft_lora_ddp", one_b + lora + nosave,
+                     limit_s=150, est_s=40, row="warm-up (first process on the machine: cold "
+                                                "caches); not part of any ratio")
+        return [[warmup], *parity]
     big = [] if smoke else ["--attn", "eager"]          # gpt-oss: no SDPA in transformers
-    return [
+    rows = [
         [Run("gpt_oss_20b_lora_ddp", "trl_sft_lora_ddp",
              _shape(s, "gpt-oss-20b", 2048, 1, 2, 8, "--measure-after", "2", "--eval-batches",
-                    "1", "--gradient-checkpointing", *big, *nosave), limit_s=170,
+                    "1", "--gradient-checkpointing", *big, *nosave), limit_s=170, est_s=70,
              row="gpt-oss-20b LoRA r8 (all linear), DDP at world size 1, the seed's mb 1 x ga 2")],
         [Run("axolotl_olmo3_7b_qlora", "axolotl_qlora_ddp",
              _shape(s, "olmo-3-7b", 2048, 2, 4, 6, "--measure-after", "2", "--eval-batches",
-                    "1", "--gradient-checkpointing"), site="axolotl", limit_s=200,
+                    "1", "--gradient-checkpointing"), site="axolotl", limit_s=200, est_s=130,
              row="OLMo-3-7B QLoRA (4-bit base, bitsandbytes) r32, Axolotl, DDP, mb 2 x ga 4")],
         [Run("unsloth_llama3b_lora", "unsloth_sft_lora_ddp",
              _shape(s, "llama-3.2-3b", 2048, 2, 4, 6, "--measure-after", "2", "--eval-batches",
                     "1", "--gradient-checkpointing", *nosave), site="unsloth", limit_s=170,
-             row="Llama-3.2-3B LoRA r16, Unsloth, DDP, mb 2 x ga 4")],
+             est_s=80, row="Llama-3.2-3B LoRA r16, Unsloth, DDP, mb 2 x ga 4")],
         [Run("gpt_oss_4l_expert_lora_fsdp2", "trl_sft_lora_fsdp",
              _shape(s, "gpt-oss-120b", 2048, 1, 4, 6, "--layers", "2" if s else "4",
                     "--measure-after", "2", "--eval-batches", "1", *big, *nosave, *fsdp_cpu),
-             limit_s=170, row="gpt-oss-120b settings (LoRA r32 + experts r8), FSDP2, 4 of 36 "
-                              "layers at the real width (128 experts)")],
+             limit_s=170, est_s=70, row="gpt-oss-120b settings (LoRA r32 + experts r8), FSDP2, "
+                                        "4 of 36 layers at the real width (128 experts)")],
         [Run("ddp_full_1b", "trl_sft_full_zero3", one_b + ["-x", "technique=ddp"], limit_s=120,
-             row="DDP full fine-tune, Llama-3.2-1B (beside ZeRO-3; with save and reload)")],
+             est_s=45, row="DDP full fine-tune, Llama-3.2-1B (beside ZeRO-3; with save, "
+                           "export check and reload)")],
     ]
+    # parity groups phase 1 could not fit: run here if the budget allows (skipped when their
+    # results are already on this machine, i.e. phase 1 ran them on it)
+    return rows + [[dataclasses.replace(r, label=r.label + "_p2") for r in g] for g in parity
+                   if not all((RESULTS / f"{r.label}.json").exists() for r in g)]
 
 
 def python_for(site: str) -> str:
@@ -256,7 +270,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out-llm")))
     args = ap.parse_args(argv)
     out = Path(args.out)
-    res_dir, log_dir = Path("/tmp/llm-results"), Path("/tmp/llm-logs")
+    res_dir, log_dir = RESULTS, LOGS / f"phase{args.phase}"
+    if args.phase == 1:          # a fresh start; phase 2 reads what phase 1 left (warm machine)
+        subprocess.run(["rm", "-rf", str(RESULTS), str(LOGS)], check=False)
     for d in (out, res_dir, log_dir):
         d.mkdir(parents=True, exist_ok=True)
     t0 = time.time()
@@ -275,8 +291,8 @@ def main(argv=None) -> int:
                                        "(LLM_SITE_<NAME> / LLM_PYTHON_<NAME> unset)"})
             print(f"--- skipped {missing}: framework not carried", flush=True)
             continue
-        need = sum(min(r.limit_s, 60.0 if args.smoke else r.limit_s * 0.4) for r in group)
-        if time.time() + need > deadline:
+        need = sum(60.0 if args.smoke else r.est_s for r in group)
+        if time.time() + 0.75 * need > deadline:   # rough estimates; a cut run still tells
             summary["skipped"].append({"runs": [r.label for r in group],
                                        "why": f"budget: {deadline - time.time():.0f} s left, "
                                               f"group needs ~{need:.0f} s"})
