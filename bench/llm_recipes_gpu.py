@@ -51,6 +51,7 @@ class Run:
     row: str = ""                     # what the row of the table is
     group: str = ""                   # parity group
     extra_env: dict = field(default_factory=dict)
+    launcher_args: list = field(default_factory=list)   # after the launcher, before the script
 
 
 def _shape(smoke: bool, arch: str, seq: int, mb: int, ga: int, steps: int, *more) -> list[str]:
@@ -91,8 +92,11 @@ def plan(phase: int, smoke: bool) -> list[list[Run]]:
         # A B B A; with accelerate launch (C) once in the middle: A B C B A
         order = ["A", "B", "C", "B", "A"] if with_accel else ["A", "B", "B", "A"]
         launchers = {"A": "gpulaunch", "B": "torchrun", "C": "accelerate"}
+        # accelerate launch: the precision the recipe's DeepSpeed dict has (bf16 on a GPU)
+        accel = ["--mixed_precision", "no" if smoke else "bf16"]
         parity.append([Run(f"parity_{recipe}_{i}{x}", recipe, args, launcher=launchers[x],
-                           limit_s=100, est_s=32, group=recipe, row=f"parity {launchers[x]}")
+                           limit_s=100, est_s=32, group=recipe, row=f"parity {launchers[x]}",
+                           launcher_args=accel if x == "C" else [])
                        for i, x in enumerate(order)])
     if phase == 1:
         warmup = Run("warmup_lora_ddp_1b", "trl_sft_lora_ddp", one_b + lora + nosave,
@@ -145,7 +149,7 @@ def command(run: Run, results: Path) -> list[str]:
             "accelerate": [py, "-m", "accelerate.commands.launch", "--use_deepspeed",
                            "--zero_stage", "3", "--num_processes", "1", "--num_machines", "1"],
             }[run.launcher]
-    return [*head, script, *run.args, "--results", str(results),
+    return [*head, *run.launcher_args, script, *run.args, "--results", str(results),
             "--output", f"/tmp/llm-out/{run.label}"]
 
 

@@ -8,9 +8,11 @@
 # these recipes run only where the environment already exists (they never build it).
 # LLM Foundry: every llm-foundry and mosaicml composer release pins torch<2.7.1, so its
 # environment takes torch 2.7.0 (the newest they accept) and torchvision 0.22.0. Where a
-# machine-wide pip constraint caps torch (/etc/xdg/pip), this one build runs with PIP_CONSTRAINT
-# emptied (pip reads the environment before its config files; an empty value clears the list),
-# so the cap cannot steer its resolution; the cap itself stays for everything else.
+# machine-wide pip constraint caps torch (a `constraint` in /etc/xdg/pip/pip.conf), this one
+# build runs with PIP_CONSTRAINT=/dev/null: pip's environment variables replace its config
+# files' values, so the cap's file gives way to an empty one here and stays for everything
+# else. (An empty PIP_CONSTRAINT= does not: pip ignores empty variables. Checked with pip 23.2
+# and 26.3 and a pip.conf pinning torch==2.14.1: refused when empty, resolved with /dev/null.)
 set -euo pipefail
 name=${1:?usage: scripts/recipe_venv.sh unsloth|axolotl|llmfoundry}
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -23,7 +25,7 @@ case "$name" in
   # torchvision 0.22.0 is the one built against torch 2.7.0 (composer requires torchvision).
   llmfoundry) spec="llm-foundry==0.22.0 mosaicml==0.32.1"
               torch_spec="${TORCH_SPEC:-torch==2.7.0 torchvision==0.22.0}"
-              export PIP_CONSTRAINT= ;;
+              export PIP_CONSTRAINT=/dev/null ;;
   *) echo "unknown recipe environment '$name' (unsloth, axolotl, llmfoundry)" >&2; exit 2 ;;
 esac
 venv="${GPULAUNCH_RECIPE_VENVS:-$HOME/.cache/gpulaunch/venvs}/$name"
