@@ -44,7 +44,7 @@ import importlib.util
 import os
 
 from gpulaunch import distributed, runtime as rt
-from llm_common import launch, options, summary
+from llm_common import options, summary
 
 DEFAULTS = options.RecipeOptions(
     recipe="llmfoundry_fsdp", arch="llama-3.1-8b", seed=17, seq_len=1024, max_steps=20,
