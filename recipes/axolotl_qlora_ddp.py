@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -26,6 +28,12 @@
 # - Axolotl on CPU runs one process only (2 fail: "Cannot access accelerator device when none
 #   is available"), so without GPUs the recipe runs `gpus=1`.
 # - The seed's CutCrossEntropy plugin comes from a git URL, not PyPI: not used.
+#
+# Real length: `--data long` writes generated multi-turn chats of ~`--seq-len` tokens as JSONL
+# for Axolotl to read (sample packing is then off: each row already fills a sequence);
+# `--packed` turns Axolotl's sample packing on for short rows. Tokens/s, MFU and the time split
+# come from the recipes' probe, which an Axolotl plugin (`llm_common.axolotl_probe`) puts in
+# the trainer Axolotl builds.
 #
 # Needs Axolotl in its own environment: `bash scripts/recipe_venv.sh axolotl`.
 
@@ -50,7 +58,7 @@ OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
 
 
 def axolotl_config(opts, *, base_path: str, out_dir: str, prepared_dir: str, on_gpu: bool,
-                   train_file: str, eval_file: str):
+                   train_file: str, eval_file: str, sample_packing: bool):
     """The seed's Axolotl settings as a DictDefault, pointed at our model and data."""
     from axolotl.utils.dict import DictDefault
 
@@ -65,7 +73,7 @@ def axolotl_config(opts, *, base_path: str, out_dir: str, prepared_dir: str, on_
         "chat_template": "tokenizer_default",
         "dataset_prepared_path": prepared_dir,
         "sequence_len": opts.seq_len,
-        "sample_packing": bool(opts.extra.get("sample_packing")) and on_gpu,
+        "sample_packing": sample_packing,
         "eval_sample_packing": False,
         "lora_r": opts.lora_r, "lora_alpha": opts.lora_alpha, "lora_dropout": opts.lora_dropout,
         "lora_target_linear": True,
@@ -83,6 +91,7 @@ def axolotl_config(opts, *, base_path: str, out_dir: str, prepared_dir: str, on_
         "eval_steps": opts.eval_steps, "logging_steps": opts.logging_steps,
         "save_strategy": "no", "output_dir": out_dir, "device_map": None,
         "seed": opts.seed, "dataloader_num_workers": 0,
+        "plugins": ["llm_common.axolotl_probe.ProbePlugin"],   # step timing, tokens/s, MFU
     }
     if opts.warmup_steps and opts.warmup_steps < 1:
         cfg["warmup_ratio"] = opts.warmup_steps
@@ -97,13 +106,15 @@ def axolotl_config(opts, *, base_path: str, out_dir: str, prepared_dir: str, on_
 # %%
 def train(opts: options.RecipeOptions) -> dict:
     import tempfile
+    import time
     from pathlib import Path
+    entry = time.time()
 
     from axolotl.cli.config import load_cfg
     from axolotl.common.datasets import load_datasets
     from axolotl.train import train as axolotl_train
 
-    from llm_common import architectures, chat_data, chat_tokenizer, outputs, sft
+    from llm_common import architectures, chat_data, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.init()
     on_gpu = device.type == "cuda"
@@ -119,10 +130,19 @@ def train(opts: options.RecipeOptions) -> dict:
         if rt.is_main():
             architectures.load_model(arch_name=opts.arch, model_path=None, full=opts.full,
                                      tokenizer=tokenizer, dtype=sft.torch_dtype(prec),
-                                     seed=opts.seed).save_pretrained(base_path)
+                                     seed=opts.seed, layers=opts.layers,
+                                     init_device=device).save_pretrained(base_path)
             tokenizer.save_pretrained(base_path)
         base_path = rt_broadcast(base_path)
-    train_file, eval_file = (opts.data or str(chat_data.TRAIN_FILE)), (opts.eval_data or str(chat_data.EVAL_FILE))
+    long = long_chat.is_preset(opts.data)
+    if long:   # the generated chats as files; a few tokens spare for what Axolotl's template adds
+        n_train, n_eval = long_chat.rows_needed(opts, rt.get_world_size())
+        train_file = long_chat.cached_long_file(tokenizer, seq_len=opts.seq_len - 16,
+                                                n_rows=n_train, held_out=False, seed=opts.seed)
+        eval_file = opts.eval_data or long_chat.cached_long_file(
+            tokenizer, seq_len=opts.seq_len - 16, n_rows=n_eval, held_out=True, seed=opts.seed + 1)
+    else:
+        train_file, eval_file = (opts.data or str(chat_data.TRAIN_FILE)), (opts.eval_data or str(chat_data.EVAL_FILE))
     rows = opts.max_eval_rows(rt.get_world_size())
     if rows is not None and eval_file.endswith(".jsonl"):   # a quicker eval: its first rows only
         head = run_tmp / "eval.jsonl"
@@ -130,28 +150,30 @@ def train(opts: options.RecipeOptions) -> dict:
         with open(eval_file) as src, open(head, "w") as dst:
             dst.writelines(line for _, line in zip(range(rows), src))
         eval_file = str(head)
+    # the seed packs samples on a GPU; rows of --data long already fill a sequence
+    packing = on_gpu and (opts.packed or (bool(opts.extra.get("sample_packing")) and not long))
     cfg = axolotl_config(opts, base_path=base_path, out_dir=out_dir,
                          prepared_dir=str(run_tmp / "prepared"), on_gpu=on_gpu,
-                         train_file=train_file, eval_file=eval_file)
+                         train_file=train_file, eval_file=eval_file, sample_packing=packing)
     cfg = load_cfg(cfg)
     dataset_meta = load_datasets(cfg=cfg)
     cfg.max_steps = opts.max_steps           # as the seed: set after load_cfg's validation
     model, tok, trainer = axolotl_train(cfg=cfg, dataset_meta=dataset_meta)
-    logs = trainer.state.log_history
-    evals = [(r["step"], r["eval_loss"]) for r in logs if "eval_loss" in r]
-    if not evals or evals[-1][0] != trainer.state.global_step:
-        evals.append((trainer.state.global_step, float(trainer.evaluate()["eval_loss"])))
+    probe = sft.find_probe(trainer)
+    timeline = {"entry": entry, "train_start": probe.train_begin, "train_end": probe.train_end}
+    result = sft.measured(trainer, probe, device, opts, timeline=timeline,
+                          world_size=rt.get_world_size())
     if rt.is_main():
         outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     import axolotl
-    return {"technique": sft.technique_in_effect(trainer), "world_size": rt.get_world_size(),
-            "framework": f"axolotl {axolotl.__version__}", "adapter": cfg.adapter,
-            "precision": prec, "eval_losses": evals,
-            "eval_loss_before": evals[0][1] if evals[0][0] == 0 else None,   # eval_on_start
-            "eval_loss_after": evals[-1][1], "steps": trainer.state.global_step,
-            "train_losses": [(r["step"], r["loss"]) for r in logs if "loss" in r],
-            "output": opts.output_path()}
+    return sft.stamp_exit({
+        **result, "technique": sft.technique_in_effect(trainer), "world_size": rt.get_world_size(),
+        "framework": f"axolotl {axolotl.__version__}", "adapter": cfg.adapter,
+        "load_in_4bit": bool(cfg.load_in_4bit), "sample_packing": bool(cfg.sample_packing),
+        "precision": prec, "packed": bool(cfg.sample_packing),
+        "eval_loss_before": result["eval_loss_before"] if result["eval_losses"][0][0] == 0 else None,
+        "output": opts.output_path()})
 
 
 def rt_broadcast(value):
@@ -167,10 +189,10 @@ if importlib.util.find_spec("axolotl") is None:
     raise SystemExit("axolotl_qlora_ddp needs Axolotl, which is not installed here: "
                      "`bash scripts/recipe_venv.sh axolotl`, then run this recipe with that "
                      "environment's python.")
-from gpulaunch import hardware  # noqa: E402
+from llm_common import launch  # noqa: E402
 
 gpus = OPTS.gpus
-if not hardware.detect().gpus and (gpus or 2) > 1:
+if not launch.gpus_here() and (gpus or 2) > 1:
     print("NOTE: Axolotl runs one process only on CPU; running gpus=1 (DDP needs GPUs).")
     gpus = 1
 results = distributed(gpus=gpus, timeout=OPTS.timeout)(train).distributed(OPTS)

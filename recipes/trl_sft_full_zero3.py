@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -45,10 +47,12 @@ OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
 # %%
 def train(opts: options.RecipeOptions) -> dict:
     import tempfile
+    import time
+    entry = time.time()
 
     from trl import SFTTrainer
 
-    from llm_common import architectures, chat_data, chat_tokenizer, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
 
     technique = opts.extra.get("technique", sft.ZERO3)
     device = rt.init()        # process group first: ZeRO-3 partitions the model as it is built
@@ -58,8 +62,7 @@ def train(opts: options.RecipeOptions) -> dict:
     prec = sft.precision(opts.dtype, device)
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(
-        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
+    train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
 
     # Real weights: SFTConfig first, so that from_pretrained loads them already partitioned
@@ -71,7 +74,7 @@ def train(opts: options.RecipeOptions) -> dict:
         return architectures.load_model(
             arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
             dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
-            init_device=device)
+            layers=opts.layers, init_device=device)
 
     def build_config():
         return sft.sft_config(opts, technique=technique, output_dir=out_dir, device=device,
@@ -87,29 +90,39 @@ def train(opts: options.RecipeOptions) -> dict:
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer)
     in_effect = sft.require(trainer, technique)
-    result = sft.train_and_measure(trainer, device)
+    result = sft.train_and_measure(trainer, device, opts, entry=entry)
     wrapper = result["wrapper"]
-    trainer.save_model(out_dir)       # collective under ZeRO-3: gathers 16-bit weights to rank 0
-
-    # Check the export against the distributed model itself: gather every shard, compare.
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
     named = list(unwrapped.named_parameters())
     export = None
-    if technique == sft.ZERO3:
+    if opts.save:
+        trainer.save_model(out_dir)   # collective under ZeRO-3: gathers 16-bit weights to rank 0
+        export = check_export(named, out_dir, zero3=technique == sft.ZERO3)
+        if rt.is_main():
+            outputs.publish(out_dir, opts.output_path())
+    rt.barrier()
+    return sft.stamp_exit({
+        **result, "technique": in_effect, "wrapper": wrapper, "export_check": export,
+        "world_size": rt.get_world_size(), "precision": prec,
+        "parameters": sum(getattr(p, "ds_numel", p.numel()) for _, p in named),
+        "output": opts.output_path() if opts.save else None})
+
+
+def check_export(named, out_dir: str, *, zero3: bool) -> dict | None:
+    """The saved safetensors against the distributed model itself: every rank gathers the
+    shards (collective), rank 0 compares. None on the other ranks."""
+    from llm_common import outputs
+    export = None
+    if zero3:
         import deepspeed
         with deepspeed.zero.GatheredParameters([p for _, p in named], modifier_rank=None):
             if rt.is_main():
                 export = outputs.compare_with_model(outputs.saved_tensors(out_dir), named)
     elif rt.is_main():
         export = outputs.compare_with_model(outputs.saved_tensors(out_dir), named)
-    if rt.is_main():
+    if export is not None:
         export["model_numel"] = sum(getattr(p, "ds_numel", p.numel()) for _, p in named)
-        outputs.publish(out_dir, opts.output_path())
-    rt.barrier()
-    return {**result, "technique": in_effect, "wrapper": wrapper, "export_check": export,
-            "world_size": rt.get_world_size(), "precision": prec,
-            "parameters": sum(getattr(p, "ds_numel", p.numel()) for _, p in named),
-            "output": opts.output_path()}
+    return export
 
 
 # %% [markdown]
@@ -122,8 +135,10 @@ else:
     results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
 if results:
     check = results[0]["export_check"]
-    print("export check:", {k: check[k] for k in ("ok", "tensors_compared", "max_abs_diff",
-                                                  "saved_numel", "model_numel", "missing", "empty")})
-    if not check["ok"]:
-        raise SystemExit(f"the saved weights are not the trained model's: {check}")
+    if check is not None:                   # None: not saved (-x save=false)
+        print("export check:", {k: check[k] for k in ("ok", "tensors_compared", "max_abs_diff",
+                                                      "saved_numel", "model_numel", "missing",
+                                                      "empty")})
+        if not check["ok"]:
+            raise SystemExit(f"the saved weights are not the trained model's: {check}")
     result = summary.finish(OPTS, results)

@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -51,19 +53,20 @@ OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
 # %%
 def train(opts: options.RecipeOptions) -> dict:
     import tempfile
+    import time
+    entry = time.time()
     from pathlib import Path
 
     from peft import LoraConfig
     from trl import SFTTrainer
 
-    from llm_common import architectures, chat_data, chat_tokenizer, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.device()                       # cuda:<local rank>, or cpu
     prec = sft.precision(opts.dtype, device)
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(
-        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
+    train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
 
     config = sft.sft_config(
@@ -75,6 +78,7 @@ def train(opts: options.RecipeOptions) -> dict:
     model = architectures.load_model(
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
         dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+        layers=opts.layers,
         device_map={"": device} if device.type == "cuda" else None, init_device=device)
     if opts.save and opts.model is None and rt.is_main():     # a random base must travel with its adapter
         model.save_pretrained(Path(out_dir) / outputs.BASE_DIR)
@@ -84,17 +88,17 @@ def train(opts: options.RecipeOptions) -> dict:
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, peft_config=lora)
     technique = sft.require(trainer, sft.DDP)
-    result = sft.train_and_measure(trainer, device)
+    result = sft.train_and_measure(trainer, device, opts, entry=entry)
     if opts.save:
         trainer.save_model(out_dir)                 # rank 0 writes adapter + tokenizer
         if rt.is_main():
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
-    return {**result, "technique": technique,
+    return sft.stamp_exit({**result, "technique": technique,
             "world_size": rt.get_world_size(), "precision": prec,
             "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "output": opts.output_path() if opts.save else None}
+            "output": opts.output_path() if opts.save else None})
 
 
 # %% [markdown]

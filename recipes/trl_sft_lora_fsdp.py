@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -57,8 +59,7 @@ class FSDPNeedsGPU(RuntimeError):
 
 def check_fsdp_possible(opts) -> bool:
     """True when FSDP can be real here; raises (default) or warns when it cannot."""
-    from gpulaunch import hardware
-    if hardware.detect().gpus:
+    if launch.gpus_here():
         return True
     if opts.extra.get("on_cpu", "refuse") != "ddp":
         raise FSDPNeedsGPU(
@@ -82,19 +83,20 @@ FSDP_POSSIBLE = check_fsdp_possible(OPTS)
 # %%
 def train(opts: options.RecipeOptions) -> dict:
     import tempfile
+    import time
+    entry = time.time()
     from pathlib import Path
 
     from peft import LoraConfig
     from trl import SFTTrainer
 
-    from llm_common import architectures, chat_data, chat_tokenizer, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.device()
     prec = sft.precision(opts.dtype, device)
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(
-        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
+    train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
     config = sft.sft_config(opts, technique=sft.FSDP2, output_dir=out_dir, device=device,
                             prec=prec, decoder_layer=arch.decoder_layer,
@@ -102,6 +104,7 @@ def train(opts: options.RecipeOptions) -> dict:
     model = architectures.load_model(   # no device_map for real weights: FSDP places the shards
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
         dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+        layers=opts.layers,
         init_device=device)
     if opts.save and opts.model is None and rt.is_main():
         model.save_pretrained(Path(out_dir) / outputs.BASE_DIR)
@@ -122,7 +125,7 @@ def train(opts: options.RecipeOptions) -> dict:
             raise
         technique = sft.technique_in_effect(trainer)
         rt.print0(f"NOT FSDP: {e} Continuing as {technique} because -x on_cpu=ddp.")
-    result = sft.train_and_measure(trainer, device)
+    result = sft.train_and_measure(trainer, device, opts, entry=entry)
     wrapper = result["wrapper"]
     if technique == "fsdp2" and wrapper != "fsdp2":
         raise sft.TechniqueNotInEffect(f"the Trainer reported FSDP2 but wrapped the model in {wrapper}")
@@ -131,11 +134,11 @@ def train(opts: options.RecipeOptions) -> dict:
         if rt.is_main():
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
-    return {**result, "technique": technique, "wrapper": wrapper,
+    return sft.stamp_exit({**result, "technique": technique, "wrapper": wrapper,
             "fsdp_enabled": bool(trainer.is_fsdp_enabled), "world_size": rt.get_world_size(),
             "precision": prec, "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "output": opts.output_path() if opts.save else None}
+            "output": opts.output_path() if opts.save else None})
 
 
 # %% [markdown]

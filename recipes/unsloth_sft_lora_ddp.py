@@ -5,6 +5,8 @@
 #     text_representation:
 #       extension: .py
 #       format_name: percent
+#       format_version: '1.3'
+#       jupytext_version: 1.19.6
 #   kernelspec:
 #     display_name: Python 3
 #     language: python
@@ -46,19 +48,20 @@ OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
 def train(opts: options.RecipeOptions) -> dict:
     import os
     import tempfile
+    import time
+    entry = time.time()
     from pathlib import Path
     os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")   # as the seed
     import unsloth  # noqa: F401  (first: it patches transformers and trl)
     from unsloth import FastLanguageModel
     from trl import SFTTrainer
 
-    from llm_common import architectures, chat_data, chat_tokenizer, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.init()              # a group now: rank 0 writes a random base the others read
     prec = sft.precision(opts.dtype, device)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
-    train_ds, eval_ds = chat_data.load_chat_datasets(
-        opts.data, opts.eval_data, seed=opts.seed, max_eval_rows=opts.max_eval_rows(rt.get_world_size()))
+    train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
 
     base_path = opts.model
@@ -67,7 +70,8 @@ def train(opts: options.RecipeOptions) -> dict:
         if rt.is_main():
             architectures.load_model(arch_name=opts.arch, model_path=None, full=opts.full,
                                      tokenizer=tokenizer, dtype=sft.torch_dtype(prec),
-                                     seed=opts.seed).save_pretrained(base_path)
+                                     seed=opts.seed, layers=opts.layers,
+                                     init_device=device).save_pretrained(base_path)
             tokenizer.save_pretrained(base_path)
             if opts.save:
                 import shutil
@@ -93,17 +97,22 @@ def train(opts: options.RecipeOptions) -> dict:
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer)
     technique = sft.require(trainer, sft.DDP)
-    result = sft.train_and_measure(trainer, device)
+    result = sft.train_and_measure(trainer, device, opts, entry=entry)
     if opts.save:
         trainer.save_model(out_dir)
         if rt.is_main():
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
-    return {**result, "technique": technique, "world_size": rt.get_world_size(),
-            "precision": prec, "framework": f"unsloth {unsloth.__version__}",
-            "parameters": architectures.count_parameters(trainer.model),
-            "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-            "output": opts.output_path() if opts.save else None}
+    if opts.model is None and rt.is_main():     # the random base's files (GBs at real shape)
+        import shutil
+        shutil.rmtree(base_path, ignore_errors=True)
+    return sft.stamp_exit({
+        **result, "technique": technique, "world_size": rt.get_world_size(),
+        "precision": prec, "framework": f"unsloth {unsloth.__version__}",
+        "parameters": architectures.count_parameters(trainer.model),
+        "trainable_parameters": sum(p.numel() for p in trainer.model.parameters()
+                                    if p.requires_grad),
+        "output": opts.output_path() if opts.save else None})
 
 
 # %%

@@ -309,6 +309,7 @@ def test_unsloth_lora_ddp_two_ranks(tmp_path):
     assert r["technique"] == "ddp" and r["wrapper"] == "ddp" and r["world_size"] == 2
     assert r["eval_loss_after"] < 0.8 * r["eval_loss_before"], r["eval_losses"]
     assert (tmp_path / "out" / "adapter_model.safetensors").exists() and "generated:" in proc.stdout
+    assert r["steady_tokens_per_second"] > 0 and r["time_split"]["steps_s"] > 0
 
 
 @pytest.mark.slow
@@ -324,3 +325,37 @@ def test_axolotl_lora_one_rank_on_cpu(tmp_path):
     r = json.loads(results.read_text())
     assert r["world_size"] == 1 and r["adapter"] == "lora"   # CPU: one process, no 4-bit
     assert r["eval_loss_after"] < 0.8 * r["eval_loss_before"], r["eval_losses"]
+    # the probe Axolotl's plugin hook put in its trainer: real tokens per step, all steps timed
+    assert len(r["step_tokens"]) == r["steps"] and all(t > 0 for t in r["step_tokens"])
+    assert r["steady_tokens_per_second"] > 0 and r["time_split"]["startup_s"] > 0
+
+
+@pytest.mark.slow
+def test_llmfoundry_fsdp_two_cpu_ranks_saves_and_reloads(tmp_path):
+    """LLM Foundry in its own environment (torch 2.7.0): 2 gloo ranks, FSDP2 through Composer
+    (its FSDP1 wrap needs CUDA), long chats; the HF checkpoint equals the trained weights and
+    reloads with from_pretrained."""
+    py = _recipe_python("llmfoundry")
+    if py is None:
+        pytest.skip("no LLM Foundry environment (build it: scripts/recipe_venv.sh llmfoundry)")
+    results = tmp_path / "r.json"
+    proc = subprocess.run([str(py), str(RECIPES / "llmfoundry_fsdp.py"), "--results",
+                           str(results), "--output", str(tmp_path / "out"), "--data", "long",
+                           "--seq-len", "256", "--batch-size", "2", "--max-steps", "8",
+                           "--eval-steps", "8", "--measure-after", "1", "--eval-batches", "1",
+                           "-x", "global_batch=4", "-x", "peak_tflops=1"], cwd=tmp_path,
+                          env=_env(tmp_path), capture_output=True, text=True, timeout=900)
+    if proc.returncode and "does not support initialization with an listen fd" in proc.stderr:
+        # torch 2.7's default (libuv) TCPStore cannot serve from the listening socket gpulaunch's
+        # rendezvous hands it; the fix is in the launcher (use_libuv=False on torch < 2.8)
+        pytest.xfail("gpulaunch's rendezvous on torch < 2.8 needs TCPStore(use_libuv=False): "
+                     "see recipes/LLM.md, 'LLM Foundry in its own environment'")
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    r = json.loads(results.read_text())
+    assert r["technique"] == r["wrapper"] == "fsdp2" and r["world_size"] == 2
+    assert r["framework"].startswith("llm-foundry 0.22.0")
+    assert r["eval_loss_after"] < r["eval_loss_before"], r["eval_losses"]
+    check = r["export_check"]
+    assert check["ok"] and check["max_abs_diff"] == 0.0 and check["tensors_compared"] > 0, check
+    assert f"reloaded {tmp_path / 'out'}" in proc.stdout and "generated:" in proc.stdout
+    assert r["steps"] == 8 and r["fill"] > 0.85 and r["mfu"] > 0

@@ -103,9 +103,10 @@ def get(name: str) -> Architecture:
         raise ValueError(f"--arch {name!r} is not one of {sorted(ARCHITECTURES)}") from None
 
 
-def config_kwargs(arch: Architecture, *, full: bool, tokenizer) -> dict:
+def config_kwargs(arch: Architecture, *, full: bool, tokenizer, layers: int | None = None) -> dict:
     """Config kwargs: the real shape, or the tiny one with the vocabulary cut to the tokenizer's
-    (the real vocabulary is kept with ``full`` so parameter count and FLOPs are the real ones)."""
+    (the real vocabulary is kept with ``full`` so parameter count and FLOPs are the real ones).
+    ``layers``: fewer decoder layers at the same width (a real-width model that fits a GPU)."""
     kw = copy.deepcopy(arch.full)
     if not full:
         kw.update(copy.deepcopy(arch.tiny))
@@ -116,21 +117,41 @@ def config_kwargs(arch: Architecture, *, full: bool, tokenizer) -> dict:
         if arch.model_type == "olmo3":
             n = kw["num_hidden_layers"]
             kw["layer_types"] = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"--layers {layers}: need at least 1 decoder layer")
+        kw["num_hidden_layers"] = layers
+        if "layer_types" in kw:
+            kw["layer_types"] = (kw["layer_types"] * layers)[:layers]
     kw["vocab_size"] = max(kw["vocab_size"], len(tokenizer))
     kw.update(pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
               eos_token_id=tokenizer.eos_token_id, use_cache=False)
     return kw
 
 
-def build_config(arch_name: str, *, full: bool, tokenizer):
+def build_config(arch_name: str, *, full: bool, tokenizer, layers: int | None = None):
     from transformers import AutoConfig
     arch = get(arch_name)
-    return AutoConfig.for_model(arch.model_type, **config_kwargs(arch, full=full, tokenizer=tokenizer))
+    kw = config_kwargs(arch, full=full, tokenizer=tokenizer, layers=layers)
+    return AutoConfig.for_model(arch.model_type, **_for_installed_transformers(kw))
+
+
+def _for_installed_transformers(kw: dict) -> dict:
+    """transformers 4.x (LLM Foundry's environment pins <4.52) names RoPE settings
+    ``rope_scaling`` + ``rope_theta``; 5.x takes them as one ``rope_parameters`` dict."""
+    import transformers
+    if int(transformers.__version__.split(".")[0]) >= 5 or "rope_parameters" not in kw:
+        return kw
+    kw = dict(kw)
+    rope = dict(kw.pop("rope_parameters"))
+    kw["rope_theta"] = rope.pop("rope_theta")
+    kw["rope_scaling"] = rope
+    return kw
 
 
 def load_model(*, arch_name: str, model_path: str | None, full: bool, tokenizer, dtype,
                seed: int, attn_implementation: str | None = None, device_map=None,
-               init_device=None):
+               init_device=None, layers: int | None = None):
     """Real weights from ``model_path``, else the architecture randomly initialised from
     ``seed`` (identical on every rank, so DDP starts from one model even before its broadcast).
     ``init_device`` builds a random model directly there (a 20B model initialises in seconds on
@@ -151,7 +172,7 @@ def load_model(*, arch_name: str, model_path: str | None, full: bool, tokenizer,
         if len(tokenizer) > model.get_input_embeddings().num_embeddings:
             model.resize_token_embeddings(len(tokenizer))
         return model
-    config = build_config(arch_name, full=full, tokenizer=tokenizer)
+    config = build_config(arch_name, full=full, tokenizer=tokenizer, layers=layers)
     torch.manual_seed(seed)
     if init_device is not None and torch.device(init_device).type == "cuda":
         torch.cuda.manual_seed(seed)

@@ -82,7 +82,25 @@ def load_tokenizer(model_path: str | None = None):
         if tok.pad_token is None:
             tok.pad_token = tok.eos_token
         return tok
+    import transformers
+    if int(transformers.__version__.split(".")[0]) < 5:
+        return _load_shipped_with_transformers_4()
     return AutoTokenizer.from_pretrained(str(TOKENIZER_DIR))
+
+
+def _load_shipped_with_transformers_4():
+    """The shipped files were written by transformers 5 (``TokenizersBackend``, a class 4.x
+    lacks); 4.x (LLM Foundry's environment) builds the same tokenizer from them directly."""
+    from transformers import PreTrainedTokenizerFast
+    cfg = json.loads((TOKENIZER_DIR / "tokenizer_config.json").read_text())
+    tok = PreTrainedTokenizerFast(
+        tokenizer_file=str(TOKENIZER_DIR / "tokenizer.json"), bos_token=cfg["bos_token"],
+        eos_token=cfg["eos_token"], pad_token=cfg["pad_token"],
+        additional_special_tokens=cfg.get("extra_special_tokens", ROLE_TOKENS),
+        model_max_length=cfg.get("model_max_length", 4096),
+        model_input_names=["input_ids", "attention_mask"])
+    tok.chat_template = (TOKENIZER_DIR / "chat_template.jinja").read_text()
+    return tok
 
 
 if __name__ == "__main__":

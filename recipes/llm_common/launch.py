@@ -20,3 +20,17 @@ def as_this_rank(train, opts) -> list | None:
     from gpulaunch import runtime as rt
     result = train(opts)
     return [result] if rt.is_main() else None
+
+
+def gpus_here() -> int:
+    """GPUs gpulaunch would use on this machine (0 with GPULAUNCH_FORCE_CPU=1), decided before
+    launching anything. gpulaunch's own detection when importable (it moves with the
+    launcher's refactor), else torch's count, which needs no CUDA context."""
+    if os.environ.get("GPULAUNCH_FORCE_CPU") == "1":
+        return 0
+    try:
+        from gpulaunch.launch import hardware
+        return len(hardware.detect().gpus)
+    except (ImportError, AttributeError):
+        import torch
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -20,7 +20,7 @@ class RecipeOptions:
     arch: str = "llama-3.2-1b"
     model: str | None = None          # local directory with real weights (and maybe a tokenizer)
     full: bool = False                # random init at the real shape (throughput runs)
-    data: str | None = None           # JSONL/Parquet in chat format; default: the shipped set
+    data: str | None = None           # JSONL/Parquet chats, "long" or "shipped" (the default)
     eval_data: str | None = None
     output: str | None = None         # local path or fsspec URL; default outputs/<recipe>
     gpus: int | None = None           # ranks; None = every GPU here (2 CPU workers without)
@@ -31,6 +31,9 @@ class RecipeOptions:
     warmup_steps: float = 0         # steps, or a fraction of max_steps when < 1
     scheduler: str = "cosine"
     seq_len: int = 2048
+    packed: bool = False              # pack rows into seq_len sequences (TRL packing, bfd)
+    layers: int | None = None         # fewer decoder layers than the real shape (same width)
+    measure_after: int = 2            # steps left out of steady-state tokens/s (warm-up)
     seed: int = 17
     eval_steps: int = 30
     logging_steps: int = 10
@@ -46,6 +49,7 @@ class RecipeOptions:
     results: str | None = None        # write the rank-0 result dict as JSON here
     timeout: float = 3 * 3600.0
     extra: dict = field(default_factory=dict)  # recipe-specific settings, -x key=value
+    started_at: float = 0.0           # when this process started (set by parse; not a flag)
 
     @property
     def tiny(self) -> bool:
@@ -65,6 +69,17 @@ class RecipeOptions:
 
 def _in_notebook() -> bool:
     return "ipykernel" in sys.modules
+
+
+def _process_start() -> float:
+    """This process's start (epoch seconds): interpreter start-up and imports count as start-up
+    time in the recipes' time split, not only what follows ``parse``."""
+    import time
+    try:
+        import psutil
+        return psutil.Process().create_time()
+    except Exception:  # noqa: BLE001 - psutil missing or /proc unreadable: this moment instead
+        return time.time()
 
 
 def _parse_extra(pairs: list[str]) -> dict:
@@ -94,7 +109,7 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
         argv = [] if _in_notebook() else sys.argv[1:]
     parser = argparse.ArgumentParser(description=description or defaults.recipe)
     for f in dataclasses.fields(RecipeOptions):
-        if f.name in ("recipe", "extra"):
+        if f.name in ("recipe", "extra", "started_at"):
             continue
         flag = "--" + f.name.replace("_", "-")
         current = getattr(defaults, f.name)
@@ -110,9 +125,15 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
     ns = parser.parse_args(argv)
     given = {k: v for k, v in vars(ns).items() if v is not None and k != "extra"}
     opts = dataclasses.replace(defaults, **given)
-    opts.extra = {**defaults.extra, **_parse_extra(ns.extra)}
+    opts.started_at = _process_start()
+    if opts.data == "shipped":      # said explicitly: the shipped rows (what no --data means)
+        opts.data = None
+    user_extra = _parse_extra(ns.extra)
+    opts.extra = {**defaults.extra, **user_extra}
     if opts.tiny and tiny_preset:
         for k, v in tiny_preset.items():
-            if k not in given:
+            if k == "extra":     # merged, and -x still wins over the preset
+                opts.extra = {**defaults.extra, **v, **user_extra}
+            elif k not in given:
                 setattr(opts, k, v)
     return opts

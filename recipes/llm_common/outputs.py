@@ -67,8 +67,11 @@ def load_trained(output: str, *, dtype=None, device: str = "cpu"):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    import transformers
     local = fetch(output)
     dtype = dtype or torch.float32
+    # transformers 4.x (LLM Foundry's environment) names it torch_dtype
+    dkw = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
     tok = AutoTokenizer.from_pretrained(local)
     adapter_cfg = Path(local) / "adapter_config.json"
     if adapter_cfg.exists():
@@ -76,12 +79,12 @@ def load_trained(output: str, *, dtype=None, device: str = "cpu"):
         base_path = Path(local) / BASE_DIR
         if not base_path.exists():
             base_path = json.loads(adapter_cfg.read_text())["base_model_name_or_path"]
-        base = AutoModelForCausalLM.from_pretrained(str(base_path), dtype=dtype)
+        base = AutoModelForCausalLM.from_pretrained(str(base_path), **{dkw: dtype})
         if len(tok) > base.get_input_embeddings().num_embeddings:
             base.resize_token_embeddings(len(tok))
         model = PeftModel.from_pretrained(base, local)
     else:
-        model = AutoModelForCausalLM.from_pretrained(local, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(local, **{dkw: dtype})
     return model.to(device).eval(), tok
 
 

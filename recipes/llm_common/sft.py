@@ -126,6 +126,10 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
         disable_tqdm=True,                # one log line per logging step instead of a bar per rank
         optim="adamw_torch",
     )
+    if opts.packed:
+        # TRL's best-fit-decreasing packing: rows fill seq_len bins, batches are padding-free
+        # (one flattened row; attention stays inside each original row, see long_chat)
+        kw.update(packing=True, packing_strategy="bfd")
     if technique == ZERO3:
         kw["deepspeed"] = deepspeed_zero3(bf16=prec == "bf16")
     elif technique == FSDP2:
@@ -195,69 +199,150 @@ def eval_loss(trainer) -> float:
     return float(trainer.evaluate()["eval_loss"])
 
 
-def _peak_memory_gib(device) -> float:
+def peak_memory(device) -> dict:
     import torch
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 2**30
+        return {"peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+                "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
+                "memory_kind": "cuda max_memory_allocated"}
     import resource
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20  # KiB on Linux
+    return {"peak_memory_gib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
+            "memory_kind": "process max RSS"}   # ru_maxrss is KiB on Linux
 
 
-def train_and_measure(trainer, device) -> dict:
-    """Train, with the eval loss at the start (``eval_on_start``) and at the end, throughput and
-    peak memory. Every rank must call it (evaluate and train are collective). The first eval
-    runs inside ``train()`` because under DeepSpeed an ``evaluate()`` before ``train()`` builds
-    an inference engine that training then cannot use."""
+def _tokens_so_far(trainer) -> int:
+    """Tokens trained so far, all ranks, padding excluded: TRL's counter, else the HF Trainer's
+    ``num_input_tokens_seen`` (``include_num_input_tokens_seen="non_padding"``)."""
+    n = getattr(trainer, "_total_train_tokens", None)
+    return int(n if n is not None else getattr(trainer.state, "num_input_tokens_seen", 0) or 0)
+
+
+def make_probe(trainer, device):
+    """A callback that times every optimizer step (CUDA-synchronised) with the tokens it
+    carried, notes the wrapper seen while training (the Trainer unwraps the model when train()
+    ends), and times every evaluation by wrapping ``trainer.evaluate``."""
     import torch
     from transformers import TrainerCallback
 
-    class Probe(TrainerCallback):
-        """The wrapper seen during training (the Trainer unwraps the model when train() ends),
-        and the time spent in optimizer steps alone (periodic evals excluded)."""
-        seen, step_seconds, _t = None, 0.0, None
+    def now():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        return time.perf_counter()
 
-        def _now(self):
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return time.perf_counter()
+    class Probe(TrainerCallback):
+        llm_common_probe = True
+
+        def __init__(self):
+            self.seen, self.step_times, self.step_tokens = None, [], []
+            self.eval_seconds, self.in_train, self.eval_in_train = 0.0, False, 0.0
+            self._t = self._tok = self.train_begin = self.train_end = None
+
+        def on_train_begin(self, args, state, control, **kwargs):
+            self.in_train, self.train_begin = True, time.time()
+
+        def on_train_end(self, args, state, control, **kwargs):
+            self.in_train, self.train_end = False, time.time()
 
         def on_step_begin(self, args, state, control, **kwargs):
-            self._t = self._now()
+            self._t, self._tok = now(), _tokens_so_far(trainer)
 
         def on_step_end(self, args, state, control, **kwargs):
             if self._t is not None:
-                self.step_seconds += self._now() - self._t
+                self.step_times.append(now() - self._t)
+                self.step_tokens.append(_tokens_so_far(trainer) - self._tok)
             if self.seen is None:
                 self.seen = wrapper_in_effect(trainer)
 
     probe = Probe()
+    evaluate = trainer.evaluate
+
+    def timed_evaluate(*a, **kw):
+        t = now()
+        try:
+            return evaluate(*a, **kw)
+        finally:
+            dt = now() - t
+            probe.eval_seconds += dt
+            if probe.in_train:
+                probe.eval_in_train += dt
+
+    trainer.evaluate = timed_evaluate
     trainer.add_callback(probe)
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    t0 = time.perf_counter()
-    out = trainer.train()
-    train_s = time.perf_counter() - t0
+    return probe
+
+
+def find_probe(trainer):
+    """The probe ``make_probe`` added to a trainer someone else built (Axolotl's)."""
+    return next((cb for cb in trainer.callback_handler.callbacks
+                 if getattr(cb, "llm_common_probe", False)), None)
+
+
+def measured(trainer, probe, device, opts, *, timeline: dict, world_size: int) -> dict:
+    """The numbers every recipe reports, from a finished trainer and its probe."""
+    from . import metrics
     logs = trainer.state.log_history
     evals = [(r["step"], r["eval_loss"]) for r in logs if "eval_loss" in r]
     if not evals or evals[-1][0] != trainer.state.global_step:
+        t = time.time()
         evals.append((trainer.state.global_step, eval_loss(trainer)))
-    tokens = getattr(trainer, "_total_train_tokens", 0) or max(   # TRL: all ranks, no padding
-        (r.get("num_tokens", 0) for r in logs), default=0)
+        timeline["eval_after_s"] = time.time() - t
+    tokens = _tokens_so_far(trainer) or max((r.get("num_tokens", 0) for r in logs), default=0)
+    steps_s = sum(probe.step_times)
+    steady = metrics.steady_state(probe.step_times, probe.step_tokens, opts.measure_after)
+    per_step_capacity = opts.batch_size * opts.grad_accum * world_size * opts.seq_len
+    rate = steady["steady_tokens_per_second"]
+    model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
+    config = getattr(model, "config", None) or trainer.model.config
+    timeline["eval_in_train_s"] = probe.eval_in_train
     return {
         "wrapper": probe.seen,
-        "step_seconds": probe.step_seconds,
         "eval_loss_before": evals[0][1],
         "eval_loss_after": evals[-1][1],
-        "train_loss": float(out.training_loss),
-        "train_losses": [(r["step"], r["loss"]) for r in logs if "loss" in r],
         "eval_losses": evals,
+        "train_losses": [(r["step"], r["loss"]) for r in logs if "loss" in r],
         "steps": trainer.state.global_step,
-        "train_seconds": train_s,
+        "seq_len": opts.seq_len, "micro_batch": opts.batch_size, "grad_accum": opts.grad_accum,
+        "data": opts.data or "shipped", "packed": bool(opts.packed),
         "tokens": int(tokens),
+        "step_seconds": steps_s,
+        "eval_seconds": probe.eval_seconds,
+        "train_seconds": timeline["train_end"] - timeline["train_start"],
         # tokens of all ranks (padding excluded) per second of optimizer steps (evals excluded)
-        "tokens_per_second": tokens / probe.step_seconds if probe.step_seconds else None,
-        "tokens_per_second_per_rank": (tokens / probe.step_seconds / trainer.args.world_size
-                                       if probe.step_seconds else None),
-        "peak_memory_gib": _peak_memory_gib(device),
-        "memory_kind": "cuda max_memory_allocated" if device.type == "cuda" else "process max RSS",
+        "tokens_per_second": tokens / steps_s if steps_s else None,
+        **steady,
+        # real tokens per step over what micro_batch x grad_accum x ranks x seq_len could hold
+        "fill": (sum(probe.step_tokens) / (len(probe.step_tokens) * per_step_capacity)
+                 if probe.step_tokens else None),
+        "step_times": [round(t, 4) for t in probe.step_times],
+        "step_tokens": probe.step_tokens,
+        **metrics.throughput(config, seq_len=opts.seq_len, tokens_per_second=rate,
+                             world_size=world_size, device=device,
+                             override_tflops=opts.extra.get("peak_tflops")),
+        **peak_memory(device),
+        "timeline": timeline,
     }
+
+
+def train_and_measure(trainer, device, opts, *, entry: float) -> dict:
+    """Train, with the eval loss at the start (``eval_on_start``) and at the end, steady-state
+    throughput, MFU and peak memory. Every rank must call it (evaluate and train are
+    collective). The first eval runs inside ``train()`` because under DeepSpeed an
+    ``evaluate()`` before ``train()`` builds an inference engine that training then cannot
+    use. ``entry``: when the rank's training function started (``time.time()``)."""
+    import torch
+    probe = make_probe(trainer, device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    timeline = {"entry": entry, "train_start": time.time()}
+    out = trainer.train()
+    timeline["train_end"] = time.time()
+    result = measured(trainer, probe, device, opts, timeline=timeline,
+                      world_size=trainer.args.world_size)
+    result["train_loss"] = float(out.training_loss)
+    return result
+
+
+def stamp_exit(result: dict) -> dict:
+    """Mark the end of the rank's work (after saving and checks) in the result's timeline."""
+    result["timeline"] = {**result.get("timeline", {}), "exit": time.time()}
+    return result

@@ -16,8 +16,9 @@ def _fmt(v):
 
 def print_result(r: dict) -> None:
     keys = ["technique", "wrapper", "world_size", "precision", "parameters", "trainable_parameters",
-            "eval_loss_before", "eval_loss_after", "steps", "tokens", "tokens_per_second",
-            "train_seconds", "peak_memory_gib", "output"]
+            "eval_loss_before", "eval_loss_after", "steps", "seq_len", "fill", "tokens",
+            "tokens_per_second", "steady_tokens_per_second", "mfu", "train_seconds",
+            "peak_memory_gib", "output"]
     print("\n".join(f"  {k:22s} {_fmt(r[k])}" for k in keys if k in r), flush=True)
 
 
@@ -40,18 +41,27 @@ def reload_and_generate(output: str, prompt: str, reference: str | None = None) 
 def finish(opts, results: list[dict]) -> dict:
     """Rank 0's result, plus the generation; written to ``opts.results`` when set."""
     from .chat_data import load_chat_datasets, sample_prompt
+    from .long_chat import is_preset
     r = dict(results[0])
     print(f"\n{opts.recipe}: rank 0 result", flush=True)
     print_result(r)
-    if r["eval_loss_after"] >= r["eval_loss_before"]:
+    if r.get("eval_loss_before") is not None and r["eval_loss_after"] >= r["eval_loss_before"]:
         print("  WARNING: the eval loss did not fall", flush=True)
     if r.get("output"):
-        _, eval_ds = load_chat_datasets(opts.data, opts.eval_data, seed=opts.seed)
+        data = None if is_preset(opts.data) else opts.data   # generated: ask a shipped question
+        _, eval_ds = load_chat_datasets(data, opts.eval_data, seed=opts.seed)
         prompt, reference = sample_prompt(eval_ds)
         r["generation"] = {"prompt": prompt, "reference": reference,
                            "generated": reload_and_generate(r["output"], prompt, reference)}
     else:
         print("  not saved (-x save=false): no reload, no generation", flush=True)
+    if r.get("timeline", {}).get("exit") and opts.started_at:
+        from .metrics import time_split
+        r["time_split"] = time_split(opts.started_at, r["timeline"],
+                                     step_seconds=r.get("step_seconds", 0.0),
+                                     eval_seconds=r.get("eval_seconds", 0.0))
+        print("  time (s)               " + ", ".join(
+            f"{k[:-2]} {v:.1f}" for k, v in r["time_split"].items()), flush=True)
     if opts.results:
         Path(opts.results).parent.mkdir(parents=True, exist_ok=True)
         Path(opts.results).write_text(json.dumps(r, indent=2, default=str))
