@@ -86,6 +86,9 @@ export TOKENIZERS_PARALLELISM=false TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 unset GPULAUNCH_FORCE_CPU
 args=(tests/gpu -m gpu -p no:cacheprovider -rA --junitxml="$OUT/gpu-junit.xml")
+# The LLM recipes' GPU tests need their own wheels (bench/llm_recipes_gpu_wheels.sh) and minutes:
+# they run in the LLM device call (bench/llm_recipes_gpu.sh) unless GPU_SUITE_LLM=1.
+[ "${GPU_SUITE_LLM:-0}" = 1 ] || args+=(--ignore=tests/gpu/test_llm_recipes_gpu.py)
 if "$PY" -c "import pytest_timeout" 2>/dev/null; then
   args+=(--timeout="$PER_TEST")
 else
