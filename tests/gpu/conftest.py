@@ -153,6 +153,30 @@ def keep(request):
                       .replace("::", "__")[-120:])
 
 
+# Tests that need no quiet GPU (no memory baseline, no timings, no NVML readings kept): the
+# recipes run beside them. test_gpu_tracking runs before, on an idle GPU.
+OVERLAP_RECIPES_WITH = ("test_gpu_parallel",)
+
+
+@pytest.fixture(scope="session")
+def recipes_started(tmp_path_factory):
+    """The recipes of recipe_runs.py, started together once; any still running at the end of
+    the session is stopped (its own process group, by pid)."""
+    from .recipe_runs import Runs
+    runs = Runs(tmp_path_factory.mktemp("recipes"))
+    yield runs
+    runs.stop_all()
+
+
+@pytest.fixture(autouse=True)
+def _recipes_in_background(request):
+    """Start the recipes when the first test that may share the GPU with them begins (if any
+    recipe test is selected), so that their minutes overlap those tests' instead of adding."""
+    if Path(str(request.node.path)).stem in OVERLAP_RECIPES_WITH and any(
+            item.get_closest_marker("recipe") for item in request.session.items):
+        request.getfixturevalue("recipes_started")
+
+
 def _save_small_files(paths: list[Path], dest: Path) -> None:
     for src in (p for p in paths if p.exists()):
         files = [src] if src.is_file() else sorted(p for p in src.rglob("*") if p.is_file())
