@@ -3,7 +3,8 @@ one pipeline here, so no backend and no entry point names them.
 
     on_launch(ctx)       the run directory exists, nothing has started: prepare (in a thread
                          if slow); return fields for the node agents, or None
-    on_start(run)        the backend started (for Ray: placed; ``run.spec`` is the layout)
+    on_placed(spec)      Ray: the layout is known (placement done), no rank started yet
+    on_start(run)        the backend started (``run.spec`` is the final layout)
     on_end(run, state)   the run is over (any outcome); must not raise, must be bounded
 
 Fields returned by ``on_launch`` travel in the launch record's ``extensions[name]``; they must
@@ -47,6 +48,9 @@ class RunCallback:
         (may block until the callback's setup is done)."""
         return None
 
+    def on_placed(self, spec: LaunchSpec) -> None:
+        pass
+
     def on_start(self, run) -> None:
         pass
 
@@ -83,6 +87,10 @@ class Callbacks:
             if fields:
                 out[cb.name] = fields
         return out
+
+    def on_placed(self, spec: LaunchSpec) -> None:
+        for cb in self.items:
+            self._guard(cb, "on_placed", lambda cb=cb: cb.on_placed(spec))
 
     def on_start(self, run) -> None:
         for cb in self.items:

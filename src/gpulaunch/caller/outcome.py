@@ -78,7 +78,7 @@ class RunOutcome:
     reason: StopReason | None = None       # the caller stopped it (timeout / cancel)
     timeout: float | None = None
     attempt: int = 0
-    entry_kind: str = "function"
+    entry_kind: str = "function"           # Entry.kind, or "ray_program" (ray_launch)
     failures: tuple[RankFailure, ...] = ()
     hang: HangReport | None = None
     agent_error: str | None = None
@@ -191,7 +191,8 @@ def _raise_rank_failure(o: RunOutcome) -> None:
     others = [f.summary() for f in o.failures if f is not root]
     also = ("\nAlso failed (after the root cause): " + "; ".join(others)) if others else ""
     log_tail = root.log_tail or "(it printed nothing)"
-    where = f"rank {root.rank} (host {root.host}, attempt {o.attempt})"
+    where = ("the ray_launch driver" if o.entry_kind == "ray_program"
+             else f"rank {root.rank} (host {root.host}, attempt {o.attempt})")
     err, run_dir = root.error, o.run_dir
     is_exit = err is not None and err.type.endswith("SystemExit")
     if err is not None and err.exception is not None and not is_exit:

@@ -24,7 +24,7 @@ class TrackingCallback(RunCallback):
     def on_launch(self, ctx: LaunchContext) -> dict | None:
         try:
             self.tracker = CallTracker(self.cfg, ctx.run, label=ctx.label, spec=ctx.spec,
-                                       entry=ctx.entry)
+                                       entry=ctx.entry, layout_pending=ctx.remote)
         except Exception as e:  # noqa: BLE001 - tracking never fails the launch
             warn_once("could not start", f"{type(e).__name__}: {e}")
             return None
@@ -50,9 +50,13 @@ class TrackingCallback(RunCallback):
                       "MLFLOW_TRACKING_URI at a tracking server (mlflow server ...)")
         return dict(info, hook=NODE_HOOK)
 
+    def on_placed(self, spec) -> None:
+        if self.tracker is not None:
+            self.tracker.placed(spec)
+
     def on_start(self, run) -> None:
         if self.tracker is not None:
-            self.tracker.spec = run.spec     # Ray: the placed layout
+            self.tracker.spec = run.spec
 
     def on_end(self, run, state) -> None:
         if self.tracker is not None:

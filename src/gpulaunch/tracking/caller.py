@@ -34,6 +34,7 @@ _STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED",
 _VERSIONS = ("torch", "gpulaunch", "mlflow", "transformers", "accelerate", "trl", "peft",
              "deepspeed", "lightning", "ray", "nvidia-ml-py")
 _warned: set[str] = set()
+LAYOUT_PARAMS = ("world_size", "nproc_per_node", "nnodes")
 
 
 def warn_once(what: str, detail: str = "") -> None:
@@ -84,8 +85,13 @@ class CallTracker:
     """The MLflow run of one launch. ``begin()`` builds it; the launcher calls
     ``launch_fields()`` when it writes launch.json and ``end(state)`` when the run is over."""
 
-    def __init__(self, cfg: Tracking, run: RunDir, *, label: str, spec, entry: dict):
+    def __init__(self, cfg: Tracking, run: RunDir, *, label: str, spec, entry: dict,
+                 layout_pending: bool = False):
         self.cfg = cfg
+        # Ray: world size and node count are known only once placed (``placed()``); MLflow
+        # params are write-once, so those wait instead of being logged with the pre-placement
+        # guess.
+        self._layout_pending = layout_pending
         self.run = run
         self.label = label
         self.spec = spec
@@ -144,7 +150,8 @@ class CallTracker:
                     else None, "ui": self.ui_hint(t.tracking_uri, exp_id, run_id)}
             self._publish(info)
             try:
-                client.log_batch(run_id, params=self._params())
+                client.log_batch(run_id, params=self._params(
+                    skip=LAYOUT_PARAMS if self._layout_pending else ()))
             except Exception as e:  # noqa: BLE001 - params are a nicety; the run is there
                 warn_once("logging launch parameters failed", f"{type(e).__name__}: {e}")
             if not os.environ.get("GPULAUNCH_QUIET"):
@@ -208,7 +215,20 @@ class CallTracker:
             tags[str(k)] = str(v)
         return tags
 
-    def _params(self):
+    def placed(self, spec) -> None:
+        """The run's layout is known (Ray, after placement): log what waited for it."""
+        self.spec = spec
+        if not self._layout_pending:
+            return
+        self._layout_pending = False
+        info = self.wait_ready()
+        if not info or self._client is None:
+            return
+        params = [p for p in self._params() if p.key.split(".", 1)[-1] in LAYOUT_PARAMS]
+        _bounded(lambda: self._client.log_batch(info["run_id"], params=params), self.timeout,
+                 "logging the run's layout")
+
+    def _params(self, skip=()):
         from mlflow.entities import Param
         s = self.spec
         gpu = getattr(s.gpu_type, "name", None) if s.gpu_type else None
@@ -219,7 +239,8 @@ class CallTracker:
                   "timeout": s.timeout, "max_restarts": s.max_restarts, "remote": s.remote,
                   "run_dir": str(self.run.path)}
         # Prefixed: MLflow params are write-once, and HF/Lightning log their own names.
-        params = [Param(f"gpulaunch.{k}", str(v)[:6000]) for k, v in values.items()]
+        params = [Param(f"gpulaunch.{k}", str(v)[:6000]) for k, v in values.items()
+                  if k not in skip]
         params += [Param(f"version.{k}", v) for k, v in _versions().items()]
         return params
 

@@ -148,7 +148,7 @@ class RayProgramRun:
 
     def outcome(self) -> RunOutcome:
         base = dict(run_dir=str(self.run.path), world_size=self.spec.world_size,
-                    reason=self.reason, timeout=self.spec.timeout)
+                    reason=self.reason, timeout=self.spec.timeout, entry_kind="ray_program")
         if self._result is None:
             return RunOutcome(state=RunState.STOPPED, **base)
         kind, value = self._result

@@ -138,6 +138,8 @@ class RayRun:
         self._mark("actors_up")
         # The node agents get the callbacks' fields themselves: they cannot read our directory.
         hosts = sorted({str(n.info.get('host')) for n in self.nodes})
+        if self.callbacks is not None:
+            self.callbacks.on_placed(self.spec)
         extensions = self.callbacks.node_extensions(hosts) if self.callbacks is not None else {}
         record = dataclasses.replace(self.record, spec=self.spec, extensions=extensions)
         payload_ref = ray.put(self.payload)
