@@ -20,6 +20,7 @@ import time
 import psutil
 
 from ..common import procutil
+from ..hardware import nvml
 
 PREFIX = "system"
 
@@ -54,23 +55,20 @@ class NodeSampler:
             self._init_nvml(ids, nproc)
 
     def _init_nvml(self, ids: list[str] | None, nproc: int | None) -> None:
-        try:
-            import pynvml
-            pynvml.nvmlInit()
-        except Exception as e:  # noqa: BLE001 - no driver, no library: no GPU metrics
-            self.gpu_error = f"{type(e).__name__}: {e}"
+        # hardware.nvml is the one NVML probe; the session stays open for the sampler's life
+        # (NVML counts nested inits; the process ends with it).
+        session = nvml.Session()
+        nv = session.__enter__()
+        if nv is None:
+            self.gpu_error = session.error
             return
-        self._nvml = pynvml
+        self._nvml = nv
         try:
             if ids is None:
-                count = pynvml.nvmlDeviceGetCount()
+                count = nv.nvmlDeviceGetCount()
                 ids = [str(i) for i in range(min(count, nproc or count))]
-            for cuda_index, ident in enumerate(ids):
-                if ident.isdigit():
-                    handle = pynvml.nvmlDeviceGetHandleByIndex(int(ident))
-                else:
-                    handle = pynvml.nvmlDeviceGetHandleByUUID(ident)
-                self.gpus.append((cuda_index, handle))
+            self.gpus = [(cuda_index, nvml.handle_for(nv, ident))
+                         for cuda_index, ident in enumerate(ids)]
         except Exception as e:  # noqa: BLE001 - e.g. MIG ids; CPU/host metrics still work
             self.gpu_error = f"{type(e).__name__}: {e}"
 
@@ -90,22 +88,9 @@ class NodeSampler:
         except psutil.Error:
             pass
         m["ranks_memory_rss_megabytes"] = rss / 1e6
-        nv = self._nvml
         for i, h in self.gpus:
-            for name, read in (
-                ("utilization_percentage", lambda: nv.nvmlDeviceGetUtilizationRates(h).gpu),
-                ("memory_usage_megabytes", lambda: nv.nvmlDeviceGetMemoryInfo(h).used / 1e6),
-                ("memory_usage_percentage",
-                 lambda: (lambda mi: mi.used / mi.total * 100)(nv.nvmlDeviceGetMemoryInfo(h))),
-                ("power_usage_watts", lambda: nv.nvmlDeviceGetPowerUsage(h) / 1000),
-                ("power_usage_percentage", lambda: nv.nvmlDeviceGetPowerUsage(h)
-                 / nv.nvmlDeviceGetEnforcedPowerLimit(h) * 100),
-                ("temperature_celsius", lambda: nv.nvmlDeviceGetTemperature(h, 0)),
-            ):
-                try:
-                    m[f"gpu_{i}_{name}"] = float(read())
-                except Exception:  # noqa: BLE001 - a counter this GPU lacks
-                    pass
+            for name, value in nvml.readings(self._nvml, h).items():
+                m[f"gpu_{i}_{name}"] = value
         return {self.prefix + k: round(v, 2) for k, v in m.items()}
 
 
