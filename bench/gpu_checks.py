@@ -13,7 +13,8 @@ import subprocess
 import sys
 import time
 
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 
 def _gpu_info():
@@ -37,7 +38,7 @@ def _oom():
 def _gpu_processes() -> list[str]:
     out = subprocess.run(["nvidia-smi", "--query-compute-apps=pid,used_memory",
                           "--format=csv,noheader"], capture_output=True, text=True)
-    return [l for l in out.stdout.splitlines() if l.strip()]
+    return [line for line in out.stdout.splitlines() if line.strip()]
 
 
 def main() -> None:
@@ -66,8 +67,8 @@ def main() -> None:
     res["gpu_processes_after_failure"] = _gpu_processes()
 
     # The launcher's memory check on this GPU: refused before any process starts, or launched.
-    from gpulaunch.errors import WontFitError
     from gpulaunch.common import rundir
+    from gpulaunch.errors import WontFitError
     before = len(list(rundir.runs_root().glob("*"))) if rundir.runs_root().exists() else 0
     t0 = time.perf_counter()
     try:

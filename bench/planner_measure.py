@@ -211,7 +211,7 @@ def _run_variant(task, variant, dev, tracker_cls):
                "trainable": sum(p.numel() for p in params)}
         if tracker is not None:
             out["measured_peak_op"] = tracker.peak_op
-        del model, opt, engine, params
+        model = opt = engine = params = step = None  # free them (a del would unbind the closure's names)
         return out
     finally:
         if tracker is not None:

@@ -19,7 +19,8 @@ import time
 
 import psutil
 
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 from gpulaunch.common.rundir import RunDir, read_json
 
 
@@ -114,7 +115,7 @@ def main() -> None:
     rows = [measure(m, a.ranks) for m in ("exception", "sys.exit(3)", "os._exit(1)",
                                            "SIGKILL (external)", "SIGSEGV", "MemoryError",
                                            "timeout", "hang")]
-    print(f"| fault | caller gets | fault → error (s) | processes left |\n|---|---|---|---|")
+    print("| fault | caller gets | fault → error (s) | processes left |\n|---|---|---|---|")
     for r in rows:
         print(f"| {r['fault']} | {r['caller_gets']} | {r['fault_to_error_s']} | {r['processes_left']} |")
     if a.out:

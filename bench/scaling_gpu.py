@@ -90,8 +90,7 @@ def main() -> None:
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     sys.path.insert(0, str(ROOT / "src"))
-    from gpulaunch import distributed
-    from gpulaunch import hardware
+    from gpulaunch import distributed, hardware
 
     host = hardware.detect()
     have = len(host.gpus) if not a.smoke else 2

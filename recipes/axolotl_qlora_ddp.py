@@ -41,8 +41,10 @@
 import importlib.util
 import os
 
-from gpulaunch import distributed, runtime as rt
 from llm_common import options, summary
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 os.environ.setdefault("AXOLOTL_DO_NOT_TRACK", "1")  # without it a rank can hang retrying telemetry
 
@@ -61,7 +63,6 @@ def axolotl_config(opts, *, base_path: str, out_dir: str, prepared_dir: str, on_
                    train_file: str, eval_file: str, sample_packing: bool):
     """The seed's Axolotl settings as a DictDefault, pointed at our model and data."""
     from axolotl.utils.dict import DictDefault
-
     from llm_common import sft
     chat = {"type": "chat_template", "ds_type": "json", "field_messages": "messages",
             "roles_to_train": ["assistant"], "train_on_eos": "turn"}
@@ -113,7 +114,6 @@ def train(opts: options.RecipeOptions) -> dict:
     from axolotl.cli.config import load_cfg
     from axolotl.common.datasets import load_datasets
     from axolotl.train import train as axolotl_train
-
     from llm_common import architectures, chat_data, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.init()

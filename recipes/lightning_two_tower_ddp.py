@@ -289,7 +289,8 @@ def make_logger(cfg):
 # environment gpulaunch gives every rank.
 
 # %%
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 
 @distributed(gpus=cfg.gpus)

@@ -43,8 +43,10 @@
 import importlib.util
 import os
 
-from gpulaunch import distributed, runtime as rt
 from llm_common import options, summary
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 DEFAULTS = options.RecipeOptions(
     recipe="llmfoundry_fsdp", arch="llama-3.1-8b", seed=17, seq_len=1024, max_steps=20,
@@ -135,11 +137,18 @@ def train(opts: options.RecipeOptions) -> dict:
     entry = time.time()
 
     import torch
-    from omegaconf import DictConfig
+    from llm_common import (
+        architectures,
+        chat_data,
+        chat_tokenizer,
+        foundry_probe,
+        long_chat,
+        metrics,
+        outputs,
+        sft,
+    )
     from llmfoundry.command_utils import train as foundry_train
-
-    from llm_common import (architectures, chat_data, chat_tokenizer, foundry_probe, long_chat,
-                            metrics, outputs, sft)
+    from omegaconf import DictConfig
 
     missing = [v for v in ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",
                            "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]

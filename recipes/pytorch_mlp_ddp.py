@@ -131,7 +131,7 @@ def start_mlflow(cfg, run_name: str):
         mlflow.set_tracking_uri(cfg.mlflow_uri)
     if not os.environ.get("MLFLOW_RUN_ID"):
         mlflow.set_experiment("gpulaunch-recipes")
-    run = mlflow.start_run(run_name=run_name)  # resumes MLFLOW_RUN_ID when it is set
+    mlflow.start_run(run_name=run_name)  # resumes MLFLOW_RUN_ID when it is set
     mlflow.log_params(dataclasses.asdict(cfg))
     return mlflow
 
@@ -142,7 +142,8 @@ def start_mlflow(cfg, run_name: str):
 # gloo on CPU) and returns this rank's device.
 
 # %%
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 
 @distributed(gpus=cfg.gpus, cluster=cfg.cluster)

@@ -215,7 +215,8 @@ def start_mlflow(cfg, run_name: str):
 # ## The training function
 
 # %%
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 
 @distributed(gpus=cfg.gpus)

@@ -190,7 +190,8 @@ def start_mlflow(cfg, run_name: str):
 # `load_checkpoint` restores all of it into the sharded model.
 
 # %%
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 from gpulaunch.parallel import latest_checkpoint, load_checkpoint, prepare, save_checkpoint
 
 

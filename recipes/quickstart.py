@@ -21,8 +21,8 @@
 # Run it as a script (`python recipes/quickstart.py`) or open it as a notebook.
 
 # %%
-from gpulaunch import distributed, runtime as rt
-from gpulaunch import hardware
+from gpulaunch import distributed, hardware
+from gpulaunch import runtime as rt
 
 print("This machine:", hardware.detect().describe())
 

@@ -28,8 +28,10 @@
 # Options: `python recipes/trl_sft_full_zero3.py --help`; `--model PATH` for real weights.
 
 # %%
-from gpulaunch import distributed, runtime as rt
 from llm_common import launch, options, summary
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 DEFAULTS = options.RecipeOptions(
     recipe="trl_sft_full_zero3", arch="llama-3.2-1b",
@@ -50,9 +52,8 @@ def train(opts: options.RecipeOptions) -> dict:
     import time
     entry = time.time()
 
-    from trl import SFTTrainer
-
     from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
+    from trl import SFTTrainer
 
     technique = opts.extra.get("technique", sft.ZERO3)
     device = rt.init()        # process group first: ZeRO-3 partitions the model as it is built

@@ -29,8 +29,10 @@
 # As a script: `python recipes/trl_sft_lora_ddp.py --help`. As a notebook: edit `DEFAULTS`.
 
 # %%
-from gpulaunch import distributed, runtime as rt
 from llm_common import launch, options, summary
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 DEFAULTS = options.RecipeOptions(
     recipe="trl_sft_lora_ddp", arch="gpt-oss-20b",
@@ -57,10 +59,9 @@ def train(opts: options.RecipeOptions) -> dict:
     entry = time.time()
     from pathlib import Path
 
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
     from peft import LoraConfig
     from trl import SFTTrainer
-
-    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.device()                       # cuda:<local rank>, or cpu
     prec = sft.precision(opts.dtype, device)

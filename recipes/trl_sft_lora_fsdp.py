@@ -32,8 +32,10 @@
 # FSDP at world size 1 is real FSDP too (`--gpus 1`), which is how it is measured on one H200.
 
 # %%
-from gpulaunch import distributed, runtime as rt
 from llm_common import launch, options, summary
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 DEFAULTS = options.RecipeOptions(
     recipe="trl_sft_lora_fsdp", arch="gpt-oss-120b",
@@ -87,10 +89,9 @@ def train(opts: options.RecipeOptions) -> dict:
     entry = time.time()
     from pathlib import Path
 
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
     from peft import LoraConfig
     from trl import SFTTrainer
-
-    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
 
     device = rt.device()
     prec = sft.precision(opts.dtype, device)

@@ -28,8 +28,10 @@
 # `train_on_responses_only` is TRL's `assistant_only_loss` here (the same masking).
 
 # %%
-from gpulaunch import distributed, runtime as rt
 from llm_common import options, summary
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 
 DEFAULTS = options.RecipeOptions(
     recipe="unsloth_sft_lora_ddp", arch="llama-3.2-3b",
@@ -53,10 +55,9 @@ def train(opts: options.RecipeOptions) -> dict:
     from pathlib import Path
     os.environ.setdefault("UNSLOTH_COMPILE_DISABLE", "1")   # as the seed
     import unsloth  # noqa: F401  (first: it patches transformers and trl)
-    from unsloth import FastLanguageModel
-    from trl import SFTTrainer
-
     from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
+    from trl import SFTTrainer
+    from unsloth import FastLanguageModel
 
     device = rt.init()              # a group now: rank 0 writes a random base the others read
     prec = sft.precision(opts.dtype, device)

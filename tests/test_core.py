@@ -2,10 +2,8 @@
 
 from __future__ import annotations
 
-import json
-import re
 import os
-import stat
+import re
 import subprocess
 import sys
 import textwrap
@@ -13,13 +11,18 @@ import threading
 import time
 
 import pytest
+from conftest import PY, assert_no_survivors, latest_run_dir, python_env
 
 import gpulaunch
-from gpulaunch import distributed, runtime as rt
-from gpulaunch.errors import (ArgumentError, ConfigurationError, GPUTypeError, GPUValidationError,
-                              SerializationError)
-
-from conftest import PY, ROOT, assert_no_survivors, latest_run_dir, python_env
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
+from gpulaunch.errors import (
+    ArgumentError,
+    ConfigurationError,
+    GPUTypeError,
+    GPUValidationError,
+    SerializationError,
+)
 
 
 def _allreduce_rank_sum():
@@ -110,7 +113,6 @@ def test_function_from_local_uninstalled_module_travels_by_value(tmp_path, monke
 def test_exception_keeps_its_type_and_carries_rank_traceback():
     @distributed(gpus=2)
     def boom():
-        import torch
         import torch.distributed as dist
         rt.init()
         if rt.get_global_rank() == 1:
@@ -428,8 +430,7 @@ def test_run_dir_private_and_nothing_listens_beyond_loopback():
     def listeners():
         import os
         import time
-        import psutil
-        import torch
+
         import torch.distributed as dist
         rt.init()
         dist.barrier()

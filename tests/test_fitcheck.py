@@ -4,18 +4,16 @@ estimate against the GPUs a launch gets, before anything starts."""
 from __future__ import annotations
 
 import subprocess
-import warnings
 
 import pytest
+from conftest import PY, python_env
 
 from gpulaunch import distributed
-from gpulaunch.errors import ConfigurationError, WontFitError
 from gpulaunch.caller import fitcheck
-from gpulaunch.hardware.host import GPUInfo, HostInfo
 from gpulaunch.caller.spec import resolve
+from gpulaunch.errors import ConfigurationError, WontFitError
+from gpulaunch.hardware.host import GPUInfo, HostInfo
 from gpulaunch.options import LaunchOptions
-
-from conftest import PY, python_env
 
 GiB = 1 << 30
 H100 = 81559 * (1 << 20)

@@ -5,10 +5,8 @@ from __future__ import annotations
 import shutil
 
 import nbformat
-import pytest
-from nbclient import NotebookClient
-
 from conftest import ROOT
+from nbclient import NotebookClient
 
 
 def _outputs(nb) -> str:

@@ -10,8 +10,17 @@ import pytest
 
 from gpulaunch import errors
 from gpulaunch.caller.outcome import HangReport, RankFailure, RunOutcome, settle
-from gpulaunch.common.records import (AttemptRecord, Entry, LaunchRecord, LaunchSpec, NodeStatus,
-                                      RankError, RankExit, RunState, StopReason)
+from gpulaunch.common.records import (
+    AttemptRecord,
+    Entry,
+    LaunchRecord,
+    LaunchSpec,
+    NodeStatus,
+    RankError,
+    RankExit,
+    RunState,
+    StopReason,
+)
 from gpulaunch.hardware.catalog import GPUType
 
 

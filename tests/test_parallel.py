@@ -57,7 +57,8 @@ needs_ds = pytest.mark.skipif(not HAVE_DS, reason="deepspeed not installed (pip 
 # ----------------------------------------------------------------------------- launching ranks
 def run_ranks(fn, *args, world=WORLD):
     """Run ``fn(*args)`` on ``world`` real CPU ranks (gloo) through gpulaunch's own launcher."""
-    from gpulaunch import distributed, runtime as rt
+    from gpulaunch import distributed
+    from gpulaunch import runtime as rt
 
     @distributed(gpus=world, stream_logs="none", timeout=300,
                  env={"TORCH_EXTENSIONS_DIR": os.environ["TORCH_EXTENSIONS_DIR"]})

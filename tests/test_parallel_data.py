@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
@@ -15,8 +14,9 @@ sys.path.insert(0, str(ROOT / "tests"))
 if str(ROOT / "src") not in sys.path:
     sys.path.insert(0, str(ROOT / "src"))
 
-from gpulaunch import parallel as gp  # noqa: E402
 from test_parallel import run_ranks  # noqa: E402
+
+from gpulaunch import parallel as gp  # noqa: E402
 
 
 def _files(tmp_path, n=10, lines=3):

@@ -16,13 +16,20 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
-from gpulaunch import NodeLostError, RayCluster, distributed, runtime as rt  # noqa: E402
-from gpulaunch.backends.ray.ray_launch import ray_launch  # noqa: E402
-from gpulaunch.errors import (GPUTypeError, GPUValidationError, HangError,  # noqa: E402
-                              LaunchError, RunCancelledError, ConfigurationError)
-from gpulaunch.common.rundir import RunDir, read_json  # noqa: E402
-
 from conftest import alive  # noqa: E402
+
+from gpulaunch import NodeLostError, RayCluster, distributed  # noqa: E402
+from gpulaunch import runtime as rt
+from gpulaunch.backends.ray.ray_launch import ray_launch  # noqa: E402
+from gpulaunch.common.rundir import RunDir, read_json  # noqa: E402
+from gpulaunch.errors import (  # noqa: E402
+    ConfigurationError,
+    GPUTypeError,
+    GPUValidationError,
+    HangError,
+    LaunchError,
+    RunCancelledError,
+)
 
 BOUND_S = 120.0
 NODES, SLOTS = 3, 2
@@ -517,7 +524,7 @@ def _log_from_each_node(fail: bool):
 @pytest.mark.slow
 def test_tracked_remote_run_is_one_mlflow_run_written_by_every_node(cluster, tmp_path,
                                                                        monkeypatch):
-    mlflow = pytest.importorskip("mlflow")
+    pytest.importorskip("mlflow")
     from mlflow.tracking import MlflowClient
 
     from gpulaunch.tracking import caller as tracking_caller

@@ -10,7 +10,6 @@ import os
 import subprocess
 
 import pytest
-
 from conftest import PY, ROOT, assert_no_survivors, latest_run_dir, python_env
 
 RECIPES = ROOT / "recipes"
@@ -135,7 +134,6 @@ def test_lightning_two_tower_with_torchrec(tmp_path, gpulaunch_home):
 
 def test_mlp_recipe_runs_as_a_notebook_in_a_real_kernel(tmp_path):
     jupytext = pytest.importorskip("jupytext")
-    import nbformat
     from nbclient import NotebookClient
 
     nb = jupytext.read(RECIPES / "pytorch_mlp_ddp.py")

@@ -11,7 +11,6 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import PY, ROOT, python_env
 
 RECIPES = ROOT / "recipes"
@@ -92,9 +91,8 @@ def test_user_data_must_be_chat_format(tmp_path):
 
 def test_architectures_have_the_published_sizes():
     import torch
-    from transformers import AutoModelForCausalLM
-
     from llm_common import architectures, chat_tokenizer
+    from transformers import AutoModelForCausalLM
     tok = chat_tokenizer.load_tokenizer()
     expected_billions = {"llama-3.2-1b": 1.24, "llama-3.2-3b": 3.21, "llama-3.1-8b": 8.03,
                          "olmo-3-7b": 7.30, "gpt-oss-20b": 20.9, "gpt-oss-120b": 116.8}
@@ -245,6 +243,7 @@ def test_torchrun_environment_covers_what_the_frameworks_read(tmp_path):
     @distributed(gpus=2, timeout=300)
     def probe(out):
         import os
+
         from transformers import TrainingArguments
         args = TrainingArguments(output_dir=out, use_cpu=True, report_to="none")
         composer_reads = ("RANK", "LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE",

@@ -14,13 +14,18 @@ import time
 
 import psutil
 import pytest
-
-from gpulaunch import distributed, runtime as rt
-from gpulaunch.errors import (ConfigurationError, HangError, RunCancelledError, RunTimeoutError,
-                              WorkerCrashError)
-from gpulaunch.common.rundir import RunDir, read_json
-
 from conftest import PY, alive, assert_no_survivors, latest_run_dir, python_env, run_pids
+
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
+from gpulaunch.common.rundir import RunDir, read_json
+from gpulaunch.errors import (
+    ConfigurationError,
+    HangError,
+    RunCancelledError,
+    RunTimeoutError,
+    WorkerCrashError,
+)
 
 BOUND_S = 60.0
 

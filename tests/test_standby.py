@@ -12,17 +12,16 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 
 import psutil
 import pytest
+from conftest import PY, alive, python_env
 
-from gpulaunch import distributed, runtime as rt
+from gpulaunch import distributed
+from gpulaunch import runtime as rt
 from gpulaunch.backends.local.standby import STANDBY
 from gpulaunch.common.rundir import RunDir
-
-from conftest import PY, alive, python_env
 
 
 def _what_a_rank_sees():

@@ -8,12 +8,11 @@ signal handlers, process group, OpenMP thread count, buffered stdout).
 from __future__ import annotations
 
 import pytest
+from conftest import assert_no_survivors, latest_run_dir
 
 from gpulaunch import distributed
-from gpulaunch.errors import ConfigurationError
 from gpulaunch.common.rundir import RunDir, read_json
-
-from conftest import assert_no_survivors, latest_run_dir
+from gpulaunch.errors import ConfigurationError
 
 pytestmark = pytest.mark.slow
 

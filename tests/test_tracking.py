@@ -9,7 +9,6 @@ import re
 import time
 
 import pytest
-
 from conftest import assert_no_survivors, latest_run_dir
 
 mlflow = pytest.importorskip("mlflow")

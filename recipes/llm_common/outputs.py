@@ -65,9 +65,8 @@ def fetch(output: str) -> str:
 def load_trained(output: str, *, dtype=None, device: str = "cpu"):
     """(model, tokenizer) from a saved recipe output: a full model, or base + LoRA adapter."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     local = fetch(output)
     dtype = dtype or torch.float32
     # transformers 4.x (LLM Foundry's environment) names it torch_dtype

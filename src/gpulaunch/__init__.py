@@ -18,13 +18,28 @@ names are here under the same names.
 
 from . import compute, runtime
 from .api import DistributedFunction, RunHandle, distributed
-from .backends.ray.cluster import RayCluster, ray_init   # imports no ray until used
+from .backends.ray.cluster import RayCluster, ray_init  # imports no ray until used
 from .backends.ray.ray_launch import ray_launch
 from .compute import AcceleratorType, GPUType
-from .errors import (ArgumentError, ConfigurationError, GpulaunchError, GPUTypeError,
-                     GPUValidationError, HangError, LaunchError, LocalExecutionTimeoutError,
-                     NodeLostError, RemoteError, RunCancelledError, RunError, RunTimeoutError,
-                     RuntimeConfigurationError, SerializationError, UserError, WorkerCrashError)
+from .errors import (
+                     ArgumentError,
+                     ConfigurationError,
+                     GpulaunchError,
+                     GPUTypeError,
+                     GPUValidationError,
+                     HangError,
+                     LaunchError,
+                     LocalExecutionTimeoutError,
+                     NodeLostError,
+                     RemoteError,
+                     RunCancelledError,
+                     RunError,
+                     RuntimeConfigurationError,
+                     RunTimeoutError,
+                     SerializationError,
+                     UserError,
+                     WorkerCrashError,
+)
 from .options import LaunchOptions
 
 __version__ = "0.2.0"

@@ -12,7 +12,6 @@ import argparse
 import datetime as _dt
 import os
 import shutil
-import signal
 import sys
 import time
 
@@ -230,8 +229,8 @@ def cmd_doctor(args) -> int:
         if var in os.environ:
             print(f"env         {var}={os.environ[var]}")
     if args.smoke:
-        from .api import distributed
         from . import runtime as rt
+        from .api import distributed
 
         def _smoke():
             import torch

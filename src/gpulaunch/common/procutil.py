@@ -5,8 +5,8 @@ from __future__ import annotations
 import ctypes
 import os
 import signal
-import threading
 import sys
+import threading
 import time
 
 PR_SET_PDEATHSIG = 1

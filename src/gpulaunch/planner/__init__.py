@@ -4,8 +4,8 @@ the GPUs, and which is fastest. ``plan()`` for the full picture, ``choose_strate
 from .catalog import CATALOG
 from .memory import STRATEGIES
 from .plan import Estimate, NothingFitsError, Plan, choose_strategy, plan
-from .training_setup import TrainingSetup
 from .shapes import ModelShape
+from .training_setup import TrainingSetup
 
 __all__ = ["plan", "choose_strategy", "Plan", "Estimate", "ModelShape", "TrainingSetup", "NothingFitsError",
            "CATALOG", "STRATEGIES"]

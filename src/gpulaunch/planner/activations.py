@@ -22,8 +22,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .training_setup import TrainingSetup
 from .shapes import ModelShape
+from .training_setup import TrainingSetup
 
 # How the model's tensors are laid out while computing (chosen per technique by memory.py).
 PURE = "pure"            # parameters already in the compute dtype

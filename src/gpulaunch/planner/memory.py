@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from . import activations as act
-from .training_setup import OPTIMIZERS, TrainingSetup
 from .shapes import ModelShape
+from .training_setup import OPTIMIZERS, TrainingSetup
 
 MiB = 1 << 20
 # cuBLAS/cuBLASLt workspaces come out of the caching allocator (so max_memory_allocated sees them).

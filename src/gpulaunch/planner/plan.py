@@ -6,8 +6,8 @@ from dataclasses import asdict, dataclass, field
 from . import memory, timing
 from .inputs import resolve_model
 from .memory import OFFLOADABLE, STRATEGIES, Technique
-from .training_setup import TrainingSetup
 from .shapes import ModelShape
+from .training_setup import TrainingSetup
 
 GiB = 1 << 30
 # Prefer the simpler technique when step times are this close: fewer moving parts, fewer deps.

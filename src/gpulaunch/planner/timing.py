@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from ..hardware.catalog import GPUModel as GpuSpec
 from .memory import Technique
-from .training_setup import TrainingSetup
 from .shapes import ModelShape
+from .training_setup import TrainingSetup
 
 MODEL_FLOPS_UTILIZATION = 0.40
 OVERLAP = 0.8                 # share of compute that can hide collectives (bucketed / prefetched)

@@ -29,7 +29,7 @@ def plot_metrics(run_id: str, path, *, tracking_uri: str | None = None, keys=Non
         return None
     import matplotlib
     matplotlib.use("Agg", force=False)
-    from matplotlib.figure import Figure      # no pyplot: no global state, thread-safe
+    from matplotlib.figure import Figure  # no pyplot: no global state, thread-safe
 
     cols = min(3, len(names))
     rows = math.ceil(len(names) / cols)

@@ -10,8 +10,8 @@ import importlib.util
 import os
 import sys
 
-from ..errors import ConfigurationError
 from ..common import rundir
+from ..errors import ConfigurationError
 
 ENV_SWITCH = "GPULAUNCH_TRACKING"             # 0/false/off: never track; 1/true/on: must track
 ENV_INTERVAL = "GPULAUNCH_SYSTEM_METRICS_INTERVAL"

@@ -35,8 +35,15 @@ from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
 from ...common import constants, procutil
-from ...common.records import (RECORD_VERSION, AttemptRecord, HangRecord, LaunchRecord,
-                               NodeStatus, RunState, StuckReport)
+from ...common.records import (
+    RECORD_VERSION,
+    AttemptRecord,
+    HangRecord,
+    LaunchRecord,
+    NodeStatus,
+    RunState,
+    StuckReport,
+)
 from ...common.rundir import RunDir, read_json, write_json_atomic
 from ...rank import worker
 from .elastic_compat import ElasticAgent, exits_from

@@ -21,8 +21,11 @@ import datetime
 import socket
 
 from torch.distributed import PrefixStore, TCPStore
-from torch.distributed.elastic.rendezvous import (RendezvousHandler, RendezvousInfo,
-                                                  RendezvousStoreInfo)
+from torch.distributed.elastic.rendezvous import (
+    RendezvousHandler,
+    RendezvousInfo,
+    RendezvousStoreInfo,
+)
 
 from ...common.constants import RENDEZVOUS_TIMEOUT_S
 

@@ -40,7 +40,7 @@ def _serve() -> None:
     got, box = threading.Event(), []
     threading.Thread(target=_read_request, args=(got, box), daemon=True).start()
     start_cwd = os.getcwd()
-    from . import agent                  # torch, torchelastic, the worker: the point of it all
+    from . import agent  # torch, torchelastic, the worker: the point of it all
     try:
         os.write(1, b"ready\n")         # for wait_ready(); fd 1 becomes the run's log below
     except OSError:

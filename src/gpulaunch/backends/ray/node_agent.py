@@ -18,13 +18,12 @@ agent stops its ranks, which themselves die with their agent (parent-death signa
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
 import time
 from pathlib import Path
-
-import dataclasses
 
 from ...common import constants, procutil
 from ...common.records import LaunchRecord, LaunchSpec, NodePlacement, StopReason

@@ -15,8 +15,8 @@ import dataclasses
 import os
 import time
 
-from ...hardware.catalog import GPUType, gpu_type_from_device_name
 from ...errors import GPUTypeError, GPUValidationError, LaunchError
+from ...hardware.catalog import GPUType, gpu_type_from_device_name
 
 ACCEL_PREFIX = "accelerator_type:"
 

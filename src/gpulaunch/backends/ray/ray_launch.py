@@ -25,6 +25,7 @@ from __future__ import annotations
 from ...api import DistributedFunction, decorator
 from .program_run import PG_ENV, RayProgramRun
 
+
 class RayLaunchFunction(DistributedFunction):
     """``@ray_launch``: like ``DistributedFunction``, run once as a Ray program."""
 
