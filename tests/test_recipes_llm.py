@@ -344,11 +344,6 @@ def test_llmfoundry_fsdp_two_cpu_ranks_saves_and_reloads(tmp_path):
                            "--eval-steps", "8", "--measure-after", "1", "--eval-batches", "1",
                            "-x", "global_batch=4", "-x", "peak_tflops=1"], cwd=tmp_path,
                           env=_env(tmp_path), capture_output=True, text=True, timeout=900)
-    if proc.returncode and "does not support initialization with an listen fd" in proc.stderr:
-        # torch 2.7's default (libuv) TCPStore cannot serve from the listening socket gpulaunch's
-        # rendezvous hands it; the fix is in the launcher (use_libuv=False on torch < 2.8)
-        pytest.xfail("gpulaunch's rendezvous on torch < 2.8 needs TCPStore(use_libuv=False): "
-                     "see recipes/LLM.md, 'LLM Foundry in its own environment'")
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     r = json.loads(results.read_text())
     assert r["technique"] == r["wrapper"] == "fsdp2" and r["world_size"] == 2
