@@ -24,9 +24,12 @@ SCRIPT = textwrap.dedent("""
     out = {k: os.environ.get(k) for k in keys}
     out["sum"] = t.item()
     print(f"rank {r} sum {t.item()}", flush=True)
-    with open(os.path.join(sys.argv[1], f"rank{r}.json"), "w") as f:
+    name = f"rank{r}.attempt{out['TORCHELASTIC_RESTART_COUNT']}.json"
+    with open(os.path.join(sys.argv[1], name), "w") as f:
         json.dump(out, f)
     how = os.environ.get("FAIL_HOW")
+    if os.environ.get("FAIL_ONCE") and out["TORCHELASTIC_RESTART_COUNT"] != "0":
+        how = None             # the restarted attempt succeeds
     if how and int(os.environ["FAIL_RANK"]) == r:
         if how == "raise":
             raise ValueError(f"boom on rank {r}")
@@ -81,7 +84,7 @@ def test_two_nodes_one_job(tmp_path):
     (rc0, text0, run0), (rc1, text1, run1) = _two_nodes(tmp_path, _flags(_free_port()))[0]
     out = tmp_path / "out"
     assert (rc0, rc1) == (0, 0), text0 + text1
-    ranks = {r: json.loads((out / f"rank{r}.json").read_text()) for r in range(4)}
+    ranks = {r: json.loads((out / f"rank{r}.attempt0.json").read_text()) for r in range(4)}
     for r, env in ranks.items():
         assert env["sum"] == 1 + 2 + 3 + 4                      # one group of 4 over both
         assert env["RANK"] == str(r) and env["WORLD_SIZE"] == "4"
@@ -109,7 +112,7 @@ def test_slurm_environment_needs_no_flags(tmp_path):
     (rc0, text0, _), (rc1, text1, _) = _two_nodes(tmp_path, flags, envs={1: slurm})[0]
     assert (rc0, rc1) == (0, 0), text0 + text1
     assert "from Slurm" in text1 and "rendezvous id '777'" in text1
-    sums = {json.loads((tmp_path / "out" / f"rank{r}.json").read_text())["sum"] for r in range(4)}
+    sums = {json.loads((tmp_path / "out" / f"rank{r}.attempt0.json").read_text())["sum"] for r in range(4)}
     assert sums == {10.0}
 
 
@@ -144,6 +147,22 @@ def test_failure_on_node_0_stops_node_1(tmp_path):
     assert rc0 == 1 and "rank 1 raised ValueError" in text0, text0
     assert rc1 == 1 and "Node 0 of the job failed: rank 1: ValueError" in text1, text1
     assert_no_survivors(run1)
+
+
+def test_restart_of_one_node_restarts_the_whole_job(tmp_path):
+    """max_restarts=1: rank 3 (node 1) dies in attempt 0; node 0's healthy ranks are restarted
+    with it (one rendezvous per attempt), and attempt 1 of all 4 ranks succeeds."""
+    fail = {"FAIL_RANK": "3", "FAIL_HOW": "kill", "FAIL_ONCE": "1"}
+    port = _free_port()
+    flags = lambda node: ["--max-restarts", "1", *_flags(port)(node)]  # noqa: E731
+    (rc0, text0, run0), (rc1, text1, run1) = _two_nodes(tmp_path, flags, extra_env=fail)[0]
+    assert (rc0, rc1) == (0, 0), text0 + text1
+    again = {r: json.loads((tmp_path / "out" / f"rank{r}.attempt1.json").read_text())
+             for r in range(4)}
+    assert {e["sum"] for e in again.values()} == {10.0}
+    assert {e["TORCHELASTIC_RESTART_COUNT"] for e in again.values()} == {"1"}
+    assert (run0 / "attempt1" / "rank0.log").exists() and (run1 / "attempt1").exists()
+    assert "restarting all ranks" in text0 and "restarting all ranks" in text1
 
 
 def test_incomplete_multi_node_flags_are_refused_before_anything_starts(tmp_path):
