@@ -26,6 +26,7 @@ from .data import (
 )
 from .export import export
 from .loss import chunked_cross_entropy
+from .resume import resume
 from .strategies import (
     PRECISIONS,
     STRATEGIES,
@@ -39,5 +40,5 @@ __all__ = [
     "PRECISIONS", "STRATEGIES", "DistributedLoader", "ParallelError", "Prepared", "ShardedFileDataset",
     "chunked_cross_entropy", "deepspeed_config", "distributed_loader", "estimate_training_bytes",
     "export", "find_blocks", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prepare",
-    "read_lines", "save_checkpoint", "seed_everything",
+    "read_lines", "resume", "save_checkpoint", "seed_everything",
 ]

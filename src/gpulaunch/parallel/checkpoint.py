@@ -228,13 +228,14 @@ def _publish(tmp_dir: str | None, final_dir: str, root: str, meta: dict) -> None
 
 
 def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=None,
-                    keep: int | None = None) -> str:
+                    keep: int | None = None, loader=None) -> str:
     """Save a checkpoint for ``step`` under the root ``path``; call it on every rank.
 
     ``prepared`` is what :func:`prepare` returned (or an ``nn.Module`` plus ``optimizer=``).
     ``extra`` is any picklable object (epoch, data position, config), returned by
     :func:`load_checkpoint`. ``keep=N`` deletes all but the newest N complete checkpoints.
-    Returns the checkpoint's folder.
+    ``loader``: a :func:`distributed_loader`'s data position (epoch, batches consumed) is saved
+    too, for :func:`resume`. Returns the checkpoint's folder.
     """
     p = _as_prepared(prepared, optimizer)
     if not isinstance(step, int) or step < 0:
@@ -266,6 +267,8 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
     _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
     if r == 0:
         state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
+        if loader is not None:
+            state["loader"] = loader.state_dict()
         if isinstance(p, TorchPrepared):
             if p.lr_scheduler is not None:
                 state["lr_scheduler"] = p.lr_scheduler.state_dict()
@@ -286,11 +289,12 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
 
 
 def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
-                    load_optimizer: bool = True, strict: bool = True) -> dict:
+                    load_optimizer: bool = True, strict: bool = True, loader=None) -> dict:
     """Load the newest complete checkpoint under ``path`` (or ``step``'s, or ``path`` itself).
 
     Call it on every rank, after :func:`prepare`. Restores model, optimizer, lr scheduler, grad scaler,
-    accumulation position and each rank's RNG. Returns ``{"step", "extra", "path"}``.
+    accumulation position and each rank's RNG, and ``loader``'s data position when given.
+    Returns ``{"step", "extra", "path"}``.
     Raises ``FileNotFoundError`` when there is none: use :func:`latest_checkpoint` to test first.
     """
     p = _as_prepared(prepared, optimizer)
@@ -334,6 +338,8 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
             p.lr_scheduler.load_state_dict(ts["lr_scheduler"])
         if p.scaler is not None and "scaler" in ts:
             p.scaler.load_state_dict(ts["scaler"])
+    if loader is not None and ts.get("loader") is not None:
+        loader.load_state_dict(ts["loader"])
     rng = _join(ckpt, f"rng_rank{_env.rank():05d}.pt")
     if meta["world_size"] == _env.world_size() and _exists(rng):
         _set_rng_state(_torch_load(rng))
