@@ -188,6 +188,11 @@ def start_mlflow(cfg, run_name: str):
 # its own shards, no gather), plus step, data position and per-rank RNG, and publishes the
 # folder atomically (a crash mid-save leaves the previous checkpoint the newest).
 # `load_checkpoint` restores all of it into the sharded model.
+# The same resume in one line, data position included: build the loader with
+# `distributed_loader`, then `step = resume(cfg.ckpt_dir, p, loader=loader)` (0 on a fresh start)
+# and `save_checkpoint(..., loader=loader)`; the loader then skips the batches already trained
+# on by itself (docs/reliability.md, "Resume in one line"). This recipe keeps its explicit
+# version below, to show what that does.
 
 # %%
 from gpulaunch import distributed

@@ -44,6 +44,13 @@ def test_launch_overhead_smoke(tmp_path):
     assert "gpulaunch `.distributed()`" in (tmp_path / "launch_overhead.md").read_text()
 
 
+def test_async_checkpoint_smoke(tmp_path):
+    _run("async_checkpoint.py", "--smoke", out=tmp_path)
+    res = json.loads((tmp_path / "async_checkpoint.json").read_text())
+    assert {s["mode"] for s in res["saves"]} == {"sync", "async"}
+    assert res["async_write_s"] is not None and res["checkpoint_bytes"] > 0
+
+
 def test_steady_state_smoke(tmp_path):
     _run("steady_state.py", "--reps", "1", "--steps", "3", "--warmup", "1", "--dim", "32",
          "--batch", "8", out=tmp_path)

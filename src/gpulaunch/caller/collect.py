@@ -132,7 +132,8 @@ def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
             exits: dict[int, RankExit], reason: StopReason | None = None,
             timeout: float | None = None, agent_error: str | None = None,
             agent_traceback: str = "", lost: LostNode | None = None,
-            oom_kills_at_start: int | None = None, nproc_per_node: int = 0) -> RunOutcome:
+            oom_kills_at_start: int | None = None, nproc_per_node: int = 0,
+            peer_failure=None) -> RunOutcome:
     """The outcome of a finished run from its directory plus what its backend knows."""
     record = run.launch()
     entry_kind = record.entry.kind if record else "function"
@@ -147,4 +148,5 @@ def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
         lost=lost, rank0_log_tail=rank_log(run, attempt, 0, 15),
         oom_confirmed=(oom_now is not None and oom_kills_at_start is not None
                        and oom_now > oom_kills_at_start),
-        nproc_per_node=nproc_per_node, load_results=result_loader(run, attempt, world_size))
+        nproc_per_node=nproc_per_node, peer_failure=peer_failure,
+        load_results=result_loader(run, attempt, world_size))

@@ -18,7 +18,7 @@ from typing import Callable
 
 from .. import errors
 from ..common.procutil import describe_exit
-from ..common.records import RankError, RunState, StopReason
+from ..common.records import PeerFailure, RankError, RunState, StopReason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -88,6 +88,7 @@ class RunOutcome:
     rank0_log_tail: str = ""
     oom_confirmed: bool = False
     nproc_per_node: int = 0                # > 0 on multi-node runs: errors get node_rank
+    peer_failure: PeerFailure | None = None  # gpulaunch run --nnodes: another node failed
     load_results: Callable[[], list] = dataclasses.field(default=lambda: [], compare=False)
 
 
@@ -172,6 +173,9 @@ def _settle(o: RunOutcome) -> list:
             rank=h.detected_by, stacks=dict(h.stacks), run_dir=run_dir)
     if o.state is RunState.SUCCEEDED:
         return o.load_results()
+    if o.state is RunState.FAILED and o.peer_failure is not None and \
+            (not o.failures or root_cause(o.failures).priority == 2):
+        _raise_peer_failure(o)
     if o.state is RunState.FAILED:
         if not o.failures:
             raise errors.LaunchError(f"The run failed but no rank reported a failure. "
@@ -184,6 +188,20 @@ def _settle(o: RunOutcome) -> list:
         f"The run ended in state {o.state} without a result (the agent process stopped "
         f"unexpectedly).\nAgent output:\n{_indent(o.agent_log_tail)}\nRun directory: {run_dir}",
         run_dir=run_dir)
+
+
+def _raise_peer_failure(o: RunOutcome) -> None:
+    """Another node of a ``gpulaunch run --nnodes`` job failed first; this node's ranks were
+    stopped (or failed only as a consequence). Its exit code is the failed rank's."""
+    p = o.peer_failure
+    ours = "; ".join(f.summary() for f in o.failures)
+    also = f"\nHere, as a consequence: {ours}" if ours else ""
+    raise errors.WorkerCrashError(
+        f"Node {p.node_rank} of the job failed: {p.summary} (host {p.host or '?'}). Every rank "
+        f"of this node was stopped.{also}\nThat rank's logs are on node {p.node_rank}: "
+        f"{p.run_dir or '(unknown run directory)'}\nRun directory here: {o.run_dir}",
+        rank=p.rank if p.rank >= 0 else None, host=p.host or None, exit_code=p.exit_code,
+        run_dir=o.run_dir)
 
 
 def _raise_rank_failure(o: RunOutcome) -> None:

@@ -16,7 +16,7 @@ import sys
 
 from ..common import rundir
 from ..common.payload import serialize_call
-from ..common.records import Entry, LaunchRecord, RunState
+from ..common.records import Entry, LaunchRecord, NodePlacement, RunState
 from ..common.rundir import hostname, write_json_atomic
 from ..errors import ConfigurationError
 from ..hardware import host as hardware_host
@@ -46,7 +46,7 @@ def _refuse_nested(label: str) -> None:
 
 def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, stream: bool = True,
            backend: str | None = None, standby: bool = False, write=None,
-           callbacks: list[RunCallback] | None = None):
+           callbacks: list[RunCallback] | None = None, placement: NodePlacement | None = None):
     """Start one run and return it (started, registered, announced).
 
     call: (func, args, kwargs, arg_names) for a function entry; it is pickled here, so an
@@ -54,6 +54,8 @@ def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, strea
     backend: "local", "ray" or "ray_program"; default: "ray" when options.remote, else "local".
     standby: the local backend may use (and afterwards restart) a standby agent — for callers
         that launch again and again (the Python API), not for one-shot CLI launches.
+    placement: this node's place in a multi-node job that every node launches itself
+        (``gpulaunch run --nnodes``); the spec's ``nnodes`` follows it.
     """
     _refuse_nested(label)
     backend = backend or ("ray" if options.remote else "local")
@@ -61,6 +63,9 @@ def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, strea
         raise ValueError(f"backend {backend!r} is not one of {BACKENDS}")
     host = hardware_host.detect()
     spec = resolve(options, host)
+    if placement is not None and placement.nnodes > 1:
+        import dataclasses
+        spec = dataclasses.replace(spec, nnodes=placement.nnodes)
     fit = fitcheck.check_launch(options.plan, spec, host)
     payload = None
     if call is not None:
@@ -81,7 +86,8 @@ def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, strea
     record = LaunchRecord(run_id=run_dir.run_id, label=label, spec=spec, entry=entry,
                           backend=backend, caller_pid=os.getpid(), host=hostname(),
                           cwd=os.getcwd(), argv=tuple(sys.argv),
-                          extensions=dict(hooks.extensions))
+                          extensions=dict(hooks.extensions),
+                          **({"placement": placement} if placement is not None else {}))
     run = _backend_run(backend, record, run_dir, options, payload, hooks, stream=stream,
                        standby=standby, write=write)
     try:

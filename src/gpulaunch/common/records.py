@@ -121,6 +121,11 @@ class NodePlacement(Record):
     master_addr: str | None = None
     master_port: int = 0
     master_port_file: str | None = None
+    # ``gpulaunch run --nnodes``: the agents' store prefix, the same on every node (each node's
+    # run directory has its own run id), and every agent stops when another node's ranks fail
+    # (``backends.local.peers``). The Ray caller does that stopping itself.
+    rdzv_id: str | None = None
+    stop_on_peer_failure: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -171,6 +176,19 @@ class AttemptRecord(Record):
     failures: dict[int, RankExit] = dataclasses.field(default_factory=dict)
 
 
+@dataclasses.dataclass(frozen=True)
+class PeerFailure(Record):
+    """What one node of a ``gpulaunch run --nnodes`` job tells the others when its ranks
+    failed: its root cause, in words, and where its logs are."""
+
+    node_rank: int
+    rank: int
+    exit_code: int | None
+    summary: str                  # "rank 3: ValueError: boom" / "rank 3 was killed by SIGKILL"
+    host: str = ""
+    run_dir: str = ""
+
+
 @dataclasses.dataclass
 class NodeStatus(Record):
     """status.json (node 0) / status.node<n>.json: one node agent's account of its ranks."""
@@ -194,6 +212,7 @@ class NodeStatus(Record):
     traceback: str = ""
     signal: str | None = None
     extensions: dict[str, str] = dataclasses.field(default_factory=dict)
+    peer_failure: PeerFailure | None = None    # another node failed; this node's ranks stopped
 
 
 @dataclasses.dataclass

@@ -16,7 +16,13 @@ See docs/choosing-a-technique.md for which strategy to pick.
 
 from ._env import ParallelError
 from .blocks import find_blocks
-from .checkpoint import latest_checkpoint, list_checkpoints, load_checkpoint, save_checkpoint
+from .checkpoint import (
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    save_checkpoint,
+    wait_for_checkpoint,
+)
 from .data import (
     DistributedLoader,
     ShardedFileDataset,
@@ -26,6 +32,7 @@ from .data import (
 )
 from .export import export
 from .loss import chunked_cross_entropy
+from .resume import resume
 from .strategies import (
     PRECISIONS,
     STRATEGIES,
@@ -39,5 +46,5 @@ __all__ = [
     "PRECISIONS", "STRATEGIES", "DistributedLoader", "ParallelError", "Prepared", "ShardedFileDataset",
     "chunked_cross_entropy", "deepspeed_config", "distributed_loader", "estimate_training_bytes",
     "export", "find_blocks", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prepare",
-    "read_lines", "save_checkpoint", "seed_everything",
+    "read_lines", "resume", "save_checkpoint", "seed_everything", "wait_for_checkpoint",
 ]

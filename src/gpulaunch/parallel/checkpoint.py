@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _env
+from . import _async_save, _env
 from ._env import ParallelError, is_url
 from ._storage import (
     _dcp_reader,
@@ -56,7 +56,9 @@ from ._storage import (
 )
 from .prepared import DeepSpeedPrepared, Prepared, TorchPrepared
 
-__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint"]
+__all__ = ["latest_checkpoint", "list_checkpoints", "load_checkpoint", "save_checkpoint",
+           "wait_for_checkpoint"]
+wait_for_checkpoint = _async_save.wait_for_checkpoint
 
 MARKER = "COMPLETE"
 LATEST = "latest"
@@ -180,14 +182,17 @@ def _write_payload(p: Prepared, ckpt_dir: str) -> None:
         _write_deepspeed(p, ckpt_dir)
         return
     import torch.distributed.checkpoint as dcp
+
+    dcp.save(_dcp_state(p), storage_writer=_dcp_writer(_join(ckpt_dir, "model")))
+
+
+def _dcp_state(p: Prepared) -> dict:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     if p.optimizer is not None:
         msd, osd = get_state_dict(p.model, p.optimizer)
-        state = {"model": msd, "optim": osd}
-    else:
-        state = {"model": get_model_state_dict(p.model)}
-    dcp.save(state, storage_writer=_dcp_writer(_join(ckpt_dir, "model")))
+        return {"model": msd, "optim": osd}
+    return {"model": get_model_state_dict(p.model)}
 
 
 def _write_deepspeed(p: DeepSpeedPrepared, ckpt_dir: str) -> None:
@@ -228,15 +233,25 @@ def _publish(tmp_dir: str | None, final_dir: str, root: str, meta: dict) -> None
 
 
 def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=None,
-                    keep: int | None = None) -> str:
+                    keep: int | None = None, loader=None, async_save: bool = False) -> str:
     """Save a checkpoint for ``step`` under the root ``path``; call it on every rank.
 
     ``prepared`` is what :func:`prepare` returned (or an ``nn.Module`` plus ``optimizer=``).
     ``extra`` is any picklable object (epoch, data position, config), returned by
     :func:`load_checkpoint`. ``keep=N`` deletes all but the newest N complete checkpoints.
-    Returns the checkpoint's folder.
+    ``loader``: a :func:`distributed_loader`'s data position (epoch, batches consumed) is saved
+    too, for :func:`resume`. Returns the checkpoint's folder.
+
+    ``async_save=True`` (DDP/FSDP/none): training stops only while the state is copied to host
+    memory; it is written in the background and published (``COMPLETE``, ``latest``) when
+    complete. The next save, the end of the rank's function, or :func:`wait_for_checkpoint`
+    waits for it (``parallel._async_save``). The returned folder exists once published.
     """
+    _async_save.wait_for_checkpoint()      # one save in flight at a time; raises its error
     p = _as_prepared(prepared, optimizer)
+    if async_save and isinstance(p, DeepSpeedPrepared):
+        raise ParallelError("async_save=True needs a torch-DCP strategy (none, ddp, fsdp); "
+                            "DeepSpeed ZeRO writes its own checkpoints: save synchronously")
     if not isinstance(step, int) or step < 0:
         raise ParallelError(f"step must be an int >= 0, got {step!r}")
     root = str(path)
@@ -262,37 +277,49 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
         _makedirs(write_dir)
     _env.barrier()
 
-    _write_payload(p, write_dir)
+    if not async_save:
+        _write_payload(p, write_dir)
     _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
     if r == 0:
         state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
+        if loader is not None:
+            state["loader"] = loader.state_dict()
         if isinstance(p, TorchPrepared):
             if p.lr_scheduler is not None:
                 state["lr_scheduler"] = p.lr_scheduler.state_dict()
             if p.scaler is not None:
                 state["scaler"] = p.scaler.state_dict()
         _torch_save(state, _join(write_dir, "trainer_state.pt"))
-    _env.barrier()  # every rank's part is on storage
+    _env.barrier()  # every rank's part is on storage (async: all but the model's)
 
-    if r == 0:
+    def publish():
         meta = {"step": step, "strategy": p.strategy, "format": _format(p), "world_size": _env.world_size(),
                 "mixed_precision": p.mixed_precision, "time": time.time(), "torch": torch.__version__}
         _publish(None if url else write_dir, final_dir, root, meta)
         if keep:
             for _, old in list_checkpoints(root)[:-keep]:
                 _rmtree(old)
+
+    if async_save:
+        _async_save.start(_dcp_state(p), _dcp_writer(_join(write_dir, "model")), final_dir,
+                          publish if r == 0 else None)
+        return final_dir
+    if r == 0:
+        publish()
     _env.barrier()
     return final_dir
 
 
 def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
-                    load_optimizer: bool = True, strict: bool = True) -> dict:
+                    load_optimizer: bool = True, strict: bool = True, loader=None) -> dict:
     """Load the newest complete checkpoint under ``path`` (or ``step``'s, or ``path`` itself).
 
     Call it on every rank, after :func:`prepare`. Restores model, optimizer, lr scheduler, grad scaler,
-    accumulation position and each rank's RNG. Returns ``{"step", "extra", "path"}``.
+    accumulation position and each rank's RNG, and ``loader``'s data position when given.
+    Returns ``{"step", "extra", "path"}``.
     Raises ``FileNotFoundError`` when there is none: use :func:`latest_checkpoint` to test first.
     """
+    _async_save.wait_for_checkpoint()      # a save in flight is the newest: let it land
     p = _as_prepared(prepared, optimizer)
     ckpt = _resolve(str(path), step)
     meta = _meta(ckpt)
@@ -334,6 +361,8 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
             p.lr_scheduler.load_state_dict(ts["lr_scheduler"])
         if p.scaler is not None and "scaler" in ts:
             p.scaler.load_state_dict(ts["scaler"])
+    if loader is not None and ts.get("loader") is not None:
+        loader.load_state_dict(ts["loader"])
     rng = _join(ckpt, f"rng_rank{_env.rank():05d}.pt")
     if meta["world_size"] == _env.world_size() and _exists(rng):
         _set_rng_state(_torch_load(rng))

@@ -74,19 +74,65 @@ def to_device(batch, device: torch.device, non_blocking: bool = True):
     return batch
 
 
-class DistributedLoader(DataLoader):
-    """A ``DataLoader`` whose ``set_epoch(epoch)`` reaches its sampler, its dataset and its worker
-    seeds, and which, given a ``device``, hands out batches already on it."""
+class _ResumableSampler(DistributedSampler):
+    """``DistributedSampler`` that can start an epoch after its first ``skip`` indices (a resumed
+    run continues where it stopped without loading the samples it had already seen)."""
 
-    _gl_device: torch.device | None = None
+    skip = 0                  # one-shot: the next pass only
 
     def __iter__(self):
+        skip, self.skip = self.skip, 0
         it = super().__iter__()
-        if self._gl_device is None:
-            return it
-        return (to_device(b, self._gl_device, non_blocking=self.pin_memory) for b in it)
+        return iter(list(it)[skip:]) if skip else it
+
+    def __len__(self) -> int:
+        return super().__len__() - self.skip
+
+
+class DistributedLoader(DataLoader):
+    """A ``DataLoader`` whose ``set_epoch(epoch)`` reaches its sampler, its dataset and its worker
+    seeds, and which, given a ``device``, hands out batches already on it.
+
+    ``state_dict()`` is its data position: the epoch and the batches handed out in it;
+    ``load_state_dict()`` makes the next pass over that epoch start after them (map-style
+    datasets: the sampler skips those indices; iterable ones: the batches are read and dropped),
+    so a resumed run sees exactly the batches an uninterrupted one would have
+    (``save_checkpoint(..., loader=)`` / ``resume(..., loader=)``)."""
+
+    _gl_device: torch.device | None = None
+    _gl_epoch = 0
+    _gl_consumed = 0
+    _gl_skip = 0              # batches to leave out of the next pass (a restored position)
+
+    def __iter__(self):
+        skip, self._gl_skip = self._gl_skip, 0
+        drop = 0
+        if isinstance(self.sampler, _ResumableSampler):
+            self.sampler.skip = skip * self.batch_size if skip else 0
+        elif skip:
+            drop = skip           # an iterable dataset: read those batches and drop them
+        return self._counted(super().__iter__(), skip, drop)
+
+    def _counted(self, it, skip: int, drop: int):
+        self._gl_consumed = skip
+        for i, b in enumerate(it):
+            if i < drop:
+                continue
+            self._gl_consumed += 1
+            yield b if self._gl_device is None else \
+                to_device(b, self._gl_device, non_blocking=self.pin_memory)
+
+    def state_dict(self) -> dict:
+        return {"epoch": self._gl_epoch, "batches": self._gl_consumed}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.set_epoch(int(state["epoch"]))
+        self._gl_consumed = self._gl_skip = int(state["batches"])
 
     def set_epoch(self, epoch: int) -> None:
+        if epoch != self._gl_epoch:
+            self._gl_skip = 0     # a restored position belongs to its own epoch only
+        self._gl_epoch = epoch
         if hasattr(self.sampler, "set_epoch"):
             self.sampler.set_epoch(epoch)
         if hasattr(self.dataset, "set_epoch"):
@@ -127,8 +173,8 @@ def distributed_loader(dataset: Dataset, batch_size: int, *, shuffle: bool = Tru
             warnings.warn("shuffle=True is ignored for an IterableDataset: it must shuffle itself", stacklevel=2)
         shuffle = False
     else:
-        sampler = DistributedSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
-                                     seed=seed, drop_last=drop_last)
+        sampler = _ResumableSampler(dataset, num_replicas=world_size, rank=rank, shuffle=shuffle,
+                                    seed=seed, drop_last=drop_last)
     if device == "auto":
         device = _env.default_device()
     device = torch.device(device) if device is not None else None

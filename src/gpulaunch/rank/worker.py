@@ -74,6 +74,10 @@ def _cuda_memory_report(exc: BaseException) -> str:
 
 
 def _shutdown_process_group() -> None:
+    # An asynchronous checkpoint still being written needs the process group: let it land.
+    saver = sys.modules.get("gpulaunch.parallel._async_save")
+    if saver is not None:
+        saver._wait_at_exit()
     dist = sys.modules.get("torch.distributed")
     if dist is None:
         return

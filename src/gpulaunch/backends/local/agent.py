@@ -46,6 +46,7 @@ from ...common.records import (
 )
 from ...common.rundir import RunDir, read_json, write_json_atomic
 from ...rank import worker
+from . import peers as peer_watch
 from .elastic_compat import ElasticAgent, exits_from
 from .node_hooks import NodeHooks
 from .rendezvous import BoundStaticRendezvous
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
         threading.Thread(target=_watch_caller, args=(stop_event,), daemon=True).start()
 
     hooks = None
+    peers: list[peer_watch.PeerWatch] = []     # gpulaunch run --nnodes: fail-stop
     try:
         record = _read_record(run)
         spec, placement = record.spec, record.placement
@@ -258,7 +260,7 @@ def main(argv: list[str] | None = None) -> int:
             port = _wait_for_port(Path(placement.master_port_file))
         rdzv = BoundStaticRendezvous(
             bind_host=placement.bind_host, port=port, connect_host=placement.master_addr,
-            node_rank=node_rank, nnodes=placement.nnodes, run_id=run.run_id)
+            node_rank=node_rank, nnodes=placement.nnodes, run_id=placement.rdzv_id or run.run_id)
         status.update(master_port=rdzv.port)
         start_method, why = choose_start_method(spec)
         status.update(start_method=start_method, start_method_reason=why)
@@ -274,11 +276,18 @@ def main(argv: list[str] | None = None) -> int:
                            monitor_interval=constants.AGENT_MONITOR_S)
         first = [True]
 
+        def on_peer_failure(failure):
+            status.update(peer_failure=failure)
+            os.kill(os.getpid(), signal.SIGTERM)    # torchelastic stops the ranks, as on cancel
+
         def on_started(pids, attempt, forked_at):
             rdzv.after_starting_ranks()
             if first[0]:
                 first[0] = False
                 hooks.on_ranks_started()
+                if placement.stop_on_peer_failure and placement.nnodes > 1:
+                    peers.append(peer_watch.watch(rdzv.connect_host, rdzv.port, node_rank,
+                                                  placement.nnodes, on_peer_failure))
             status.update(state=RunState.RUNNING, attempt=attempt, pids=pids,
                           forked_at=forked_at)
 
@@ -299,6 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         stop_event.set()
         if hooks is not None:
             hooks.stop()
+        if peers and peers[0].peer is not None:     # another node failed: so did the job
+            status.update(state=RunState.FAILED, peer_failure=peers[0].peer,
+                          ended=time.time())
+            peers[0].linger()
+            return 1
         status.update(state=RunState.STOPPED, signal=signal.Signals(e.sigval).name,
                       ended=time.time())
         return 128 + int(e.sigval)
@@ -313,8 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     stop_event.set()
     hooks.stop()
     if result.is_failed():
-        status.update(state=RunState.FAILED, failures=exits_from(result.failures),
-                      ended=time.time())
+        exits = exits_from(result.failures)
+        if peers:
+            ours, collateral = peer_watch.own_failure(run, agent.attempt, exits, node_rank)
+            stood = peers[0].publish(ours, collateral=collateral)
+            status.update(peer_failure=stood if stood.node_rank != node_rank else None)
+        status.update(state=RunState.FAILED, failures=exits, ended=time.time())
+        if peers:
+            peers[0].linger()
         return 1
     status.update(state=RunState.SUCCEEDED, ended=time.time())
     return 0

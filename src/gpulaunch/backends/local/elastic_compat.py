@@ -153,9 +153,16 @@ class ElasticAgent(LocalElasticAgent):
                          return_values={w.global_rank: None for w in worker_group.workers})
 
     def _restart_workers(self, worker_group):
-        if self._last_result is not None and self._last_result.failures \
-                and self.on_restart is not None:
+        failed = self._last_result is not None and self._last_result.failures
+        if failed and self.on_restart is not None:
             self.on_restart(self._attempt, exits_from(self._last_result.failures))
+        if not failed and self._remaining_restarts > 0:
+            # A healthy group restarted because another node restarts (``num_nodes_waiting``):
+            # torchelastic does not count that as a restart, but the job's attempt is the same
+            # on every node (TORCHELASTIC_RESTART_COUNT, attempt<k>/ folders), so count it.
+            self._remaining_restarts -= 1
+            if self.on_restart is not None:
+                self.on_restart(self._attempt, {})
         super()._restart_workers(worker_group)
 
     def current_pids(self) -> list[int]:

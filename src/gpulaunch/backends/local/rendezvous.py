@@ -120,7 +120,13 @@ class BoundStaticRendezvous(RendezvousHandler):
         pass
 
     def num_nodes_waiting(self) -> int:
-        return 0
+        """Another node has joined the next round (its ranks failed and it restarts): the
+        agent restarts ours too (torchelastic asks this of every healthy group), so a restart
+        of one node is a restart of the whole job."""
+        if self.nnodes == 1 or self._store is None:
+            return 0
+        return sum(1 for n in range(self.nnodes) if n != self.node_rank and
+                   self._store.check([f"gpulaunch/joined/{self._round}/{n}"]))
 
     def get_run_id(self) -> str:
         return self.run_id

@@ -44,7 +44,8 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 def describe_local(spec) -> str:
     """The announcement of a run on this host."""
     if spec.device == "cpu":
-        return f"{spec.world_size} CPU worker processes (no GPU on this host; gloo backend)"
+        share = f"{spec.nproc_per_node} of the job's " if spec.nnodes > 1 else ""
+        return f"{share}{spec.world_size} CPU worker processes (no GPU on this host; gloo backend)"
     what = (f"{spec.world_size} GPU rank(s) "
             f"({spec.gpu_type.name if spec.gpu_type else 'GPU'}, nccl)")
     if spec.world_size == 1:
@@ -212,4 +213,4 @@ class LocalRun:
             self.run, state=status.state, world_size=self.spec.world_size, attempt=attempt,
             exits=status.failures, reason=self.reason, timeout=self.spec.timeout,
             agent_error=status.error, agent_traceback=status.traceback,
-            oom_kills_at_start=self._oom_start)
+            oom_kills_at_start=self._oom_start, peer_failure=status.peer_failure)
