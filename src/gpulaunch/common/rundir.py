@@ -12,6 +12,7 @@ agent and the ranks.
         attempt<k>/rank<r>.info.json RankInfo: pid, host, start time (written by the rank)
         attempt<k>/rank<r>.result.pkl / .error.pkl (RankError) / .stuck (StuckReport) / .stacks
         attempt<k>/rank<r>.nccl_trace.pkl   NCCL flight recorder, dumped on a hang (GPU ranks)
+        attempt<k>/rank<r>.loaded    empty: rank r has read payload.pkl (the agent then drops it)
 
 The record types are in ``records.py``; this module only names the files and reads/writes them.
 
@@ -135,6 +136,24 @@ class RunDir:
     def hang(self) -> HangRecord | None:
         data = read_json(self.hang_json)
         return HangRecord.from_data(data) if data else None
+
+    # the payload: deleted as soon as no rank can need it any more (it may be gigabytes, and
+    # hold secrets); see backends/local/agent.py for who decides when
+    def mark_loaded(self, attempt: int, rank: int) -> None:
+        """Written by a rank once it has read and closed the payload file."""
+        self.rank_file(attempt, rank, "loaded").touch()
+
+    def loaded_count(self, attempt: int) -> int:
+        return len(list(self.attempt_dir(attempt).glob("rank*.loaded")))
+
+    def drop_payload(self) -> bool:
+        """Delete payload.pkl; True if it was there. Idempotent and race-free: unlink is atomic
+        and a second caller just finds nothing."""
+        try:
+            self.payload.unlink()
+            return True
+        except FileNotFoundError:
+            return False
 
     def rank_pids(self) -> list[int]:
         """Every rank pid this run recorded (status and each attempt's info files)."""

@@ -179,7 +179,7 @@ def main(argv: list[str]) -> None:
         watchdog.start()
 
     try:
-        result = _entry(run)()
+        result = _entry(run, attempt, rank)()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
         if code == 0:
@@ -228,13 +228,14 @@ def main(argv: list[str]) -> None:
     _finish(0)
 
 
-def _entry(run: RunDir):
+def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
     """What this rank runs: the shipped function, a script, a module, or any command."""
     entry = run.launch().entry
     kind = entry.kind
     if kind == "function":
         from ..common.payload import load_call
         func, args, kwargs = load_call(run.payload)
+        run.mark_loaded(attempt, rank)   # the file is closed: the agent may delete it now
         return lambda: func(*args, **kwargs)
     import runpy
     argv = list(entry.argv)

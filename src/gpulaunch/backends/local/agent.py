@@ -143,6 +143,21 @@ def _watch_hangs(run: RunDir, agent: ElasticAgent, status: StatusWriter, device:
         return
 
 
+def _drop_payload_when_loaded(run: RunDir, agent: ElasticAgent, spec,
+                              stop_event: threading.Event) -> None:
+    """Delete payload.pkl once every local rank of the LAST possible attempt has read it (each
+    rank touches ``rank<r>.loaded`` after closing the file, so there is no race with a reader;
+    an earlier attempt's ranks may be restarted and would need it again). The agent's end
+    drops it in any case."""
+    if not run.payload.exists():
+        return
+    while not stop_event.wait(0.2):
+        attempt = agent.attempt
+        if attempt >= spec.max_restarts and run.loaded_count(attempt) >= spec.nproc_per_node:
+            run.drop_payload()
+            return
+
+
 def _wait_for_traces(run: RunDir, attempt: int, ranks: int, timeout: float = 5.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -294,9 +309,12 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=_watch_hangs, daemon=True,
                              args=(run, agent, status, spec.device, stop_event,
                                    placement.nnodes)).start()
+        threading.Thread(target=_drop_payload_when_loaded, daemon=True,
+                         args=(run, agent, spec, stop_event)).start()
         result = agent.run()
     except SignalException as e:
         stop_event.set()
+        run.drop_payload()
         if hooks is not None:
             hooks.stop()
         status.update(state=RunState.STOPPED, signal=signal.Signals(e.sigval).name,
@@ -304,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(e.sigval)
     except BaseException as e:  # noqa: BLE001 - the caller must learn why
         stop_event.set()
+        run.drop_payload()
         if hooks is not None:
             hooks.stop()
         status.update(state=RunState.AGENT_ERROR, error=f"{type(e).__name__}: {e}",
@@ -311,6 +330,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 2
     stop_event.set()
+    run.drop_payload()   # no rank of this node will start again
     hooks.stop()
     if result.is_failed():
         status.update(state=RunState.FAILED, failures=exits_from(result.failures),

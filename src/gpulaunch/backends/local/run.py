@@ -158,6 +158,7 @@ class LocalRun:
         if self.streamer:
             self.streamer.pump(final=True)
         self.kill_leftovers()
+        self.run.drop_payload()   # an agent killed before it could: nothing reads it any more
         if self.callbacks is not None:
             self.callbacks.on_end(self, self.state)
         if self.standby:
