@@ -1,0 +1,66 @@
+"""Disk hygiene on Ray (issue 17): each node's run directory goes once its agent stopped and the
+caller holds every file; the caller's mirror keeps the run's record. A real local Ray cluster of
+two simulated nodes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+ray = pytest.importorskip("ray")
+
+from gpulaunch import distributed  # noqa: E402
+from gpulaunch.common.rundir import RunDir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def two_nodes(tmp_path_factory):
+    from ray.cluster_utils import Cluster
+    base = tmp_path_factory.mktemp("ray2")
+    tmpdir = f"/tmp/r2-{os.getpid()}"
+    os.makedirs(tmpdir, exist_ok=True)
+    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE", "GPULAUNCH_HOME")}
+    os.environ.update(RAY_TMPDIR=tmpdir, RAY_AUTH_MODE="disabled",
+                      GPULAUNCH_HOME=str(base / "nodes-home"))
+    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    c.add_node(num_cpus=1)
+    ray.init(address=c.address)
+    c.wait_for_nodes()
+    yield base / "nodes-home"
+    ray.shutdown()
+    c.shutdown()
+    for k, v in saved.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def _where():
+    import os
+    print("hello from", os.environ["RANK"], flush=True)
+    return os.environ["GPULAUNCH_RUN_DIR"]
+
+
+def _fails_on_rank_1():
+    import os
+    if os.environ["RANK"] == "1":
+        raise KeyError("rank one")
+    return 0
+
+
+def test_node_dirs_removed_when_their_agents_stop(two_nodes, gpulaunch_home):
+    node_dirs = distributed(gpus=2, remote=True)(_where).distributed()
+    assert len(set(node_dirs)) == 2
+    assert not any(os.path.exists(d) for d in node_dirs), node_dirs
+    # the caller's mirror still holds the run: logs and results of both nodes
+    caller = RunDir(sorted((gpulaunch_home / "runs").iterdir())[-1])
+    assert caller.rank_file(0, 1, "result.pkl").exists()
+    assert caller.rank_file(0, 1, "log").exists()
+    with pytest.raises(KeyError, match="rank one"):          # a failure is still reported
+        distributed(gpus=2, remote=True)(_fails_on_rank_1).distributed()
+    runs = two_nodes / "ray-nodes"
+    assert not [p for p in runs.glob("*/runs/*")], list(runs.glob("*/runs/*"))
