@@ -179,27 +179,38 @@ def main(argv: list[str]) -> None:
         watchdog.start()
 
     try:
+        kind = run.launch().entry.kind
+    except Exception:  # noqa: BLE001 - _entry reports an unreadable record
+        kind = "function"
+    try:
         result = _entry(run, attempt, rank)()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code == 0:
-            result = None
+        if code == 0 and kind != "function":
+            result = None        # a script's sys.exit(0) is its success
         else:
+            # a function that calls sys.exit(0) did not return: a failure that says so
+            caught = time.time()
             tb = _user_traceback(e)
             sys.stderr.write(tb)
             record = exception_record(e, rank=rank, host=host, tb=tb, exit_code=code,
-                                      time=time.time())
+                                      time=caught)
             _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
             _write_elastic_error_file(e, tb)
-            _finish(code)
+            _finish(code or 1)
             return
     except BaseException as e:  # noqa: BLE001 - everything must be reported
+        caught = time.time()      # stamped before the slow work (traceback, memory, pickling)
         tb = _user_traceback(e)
         sys.stderr.write(tb)
-        caught = time.time()      # stamped before the slow work (memory summary, pickling)
         record = exception_record(e, rank=rank, host=host, tb=tb, time=caught,
                                   extra=_cuda_memory_report(e),
                                   collateral=any(p in _safe_str(e) for p in COLLATERAL_PATTERNS))
+        if not isinstance(e, Exception):
+            # KeyboardInterrupt, GeneratorExit...: the RANK's, never re-raised in the caller as
+            # if the caller itself had been interrupted; it gets a RemoteError naming the rank
+            import dataclasses
+            record = dataclasses.replace(record, exception=None)
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
         _write_elastic_error_file(e, tb)
         _finish(1)
