@@ -99,8 +99,8 @@ def rank_failures(run: RunDir, attempt: int, exits: dict[int, RankExit]) -> tupl
 
 def hang_report(run: RunDir, attempt: int, world_size: int) -> HangReport | None:
     hang = run.hang()
-    if hang is None:
-        return None
+    if hang is None or hang.attempt != attempt:
+        return None    # no hang, or one of an earlier attempt that a restart recovered from
     stacks = {}
     for r in range(world_size):
         try:

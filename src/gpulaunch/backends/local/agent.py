@@ -117,11 +117,15 @@ def _watch_hangs(run: RunDir, agent: ElasticAgent, status: StatusWriter, device:
     would make the ranks of the other nodes fail on a closed connection before the caller could
     ask them for their stacks (the very stacks that show who waits for whom): so we report,
     then leave the teardown to the caller, within ``HANG_TEARDOWN_WAIT_S``."""
+    handled = -1      # every attempt is watched (with max_restarts, a hang restarts the group)
     while not stop_event.wait(0.5):
         attempt = agent.attempt
+        if attempt <= handled:
+            continue
         stuck = sorted(run.attempt_dir(attempt).glob("rank*.stuck"))
         if not stuck:
             continue
+        handled = attempt
         report = StuckReport.from_data(read_json(stuck[0], {}) or {"rank": -1, "stuck_for": 0,
                                                                    "since_unix": 0, "where": ""})
         pids = agent.current_pids()
@@ -140,7 +144,6 @@ def _watch_hangs(run: RunDir, agent: ElasticAgent, status: StatusWriter, device:
         if nnodes > 1:
             stop_event.wait(constants.HANG_TEARDOWN_WAIT_S)
         procutil.kill_process_groups(pids, signal.SIGKILL)
-        return
 
 
 def _drop_payload_when_loaded(run: RunDir, agent: ElasticAgent, spec,
