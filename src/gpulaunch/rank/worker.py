@@ -30,6 +30,7 @@ from pathlib import Path
 from ..common import constants, procutil
 from ..common.payload import exception_record
 from ..common.records import RankInfo
+from ..common.redact import ENTRY_ARGV_ENV
 from ..common.rundir import RunDir, hostname, write_json_atomic
 from . import results
 
@@ -42,7 +43,7 @@ COLLATERAL_PATTERNS = (
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 
@@ -55,7 +56,7 @@ def _write_elastic_error_file(exc: BaseException, tb: str) -> None:
     data = {"message": {"message": f"{type(exc).__name__}: {_safe_str(exc)}",
                         "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
     try:
-        with open(path, "w") as f:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
     except OSError:
         pass
@@ -163,7 +164,8 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     host = hostname()
-    stacks_file = open(run.rank_file(attempt, rank, "stacks"), "w")
+    stacks_file = open(os.open(run.rank_file(attempt, rank, "stacks"),
+                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
     write_json_atomic(run.rank_file(attempt, rank, "info.json"), RankInfo(
@@ -249,7 +251,8 @@ def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
         run.mark_loaded(attempt, rank)   # the file is closed: the agent may delete it now
         return lambda: func(*args, **kwargs)
     import runpy
-    argv = list(entry.argv)
+    real = os.environ.pop(ENTRY_ARGV_ENV, None)   # launch.json holds the masked argv
+    argv = json.loads(real) if real else list(entry.argv)
     if kind == "script":
         def run_script():
             sys.argv = argv

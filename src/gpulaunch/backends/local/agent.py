@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -34,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ...common import constants, procutil
+from ...common import constants, procutil, redact
 from ...common.records import (
     RECORD_VERSION,
     AttemptRecord,
@@ -70,7 +71,7 @@ class RunDirLogs(LogsSpecs):
         for local_rank, env in envs.items():
             attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             rank = int(env["RANK"])
-            self.run.attempt_dir(attempt).mkdir(exist_ok=True)
+            self.run.attempt_dir(attempt).mkdir(exist_ok=True, mode=0o700)
             dest.stdouts[local_rank] = str(self.run.rank_file(attempt, rank, "log"))
             dest.stderrs[local_rank] = str(self.run.rank_file(attempt, rank, "stderr.log"))
             dest.error_files[local_rank] = str(self.run.rank_file(attempt, rank, "error.json"))
@@ -195,8 +196,18 @@ def _worker_env(record: LaunchRecord, run: RunDir, node_rank: int, extra: dict) 
         env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run.path / "nccl_trace_rank_"))
     env.update(extra)
+    # launch.json holds env= names only and masked arguments; the caller sent the values in
+    # our environment (redact.py), taken out here so no rank inherits the whole bundle
+    secrets = redact.take_secrets(env)
+    values = secrets.get("env", {})
     for k, v in spec.env:
-        env[k] = v
+        if k in values:
+            env[k] = values[k]
+        elif v != redact.ENV_NOT_STORED:
+            env[k] = v
+    argv = secrets.get("entry_argv")
+    if argv is not None and tuple(argv) != tuple(record.entry.argv):
+        env[redact.ENTRY_ARGV_ENV] = json.dumps(argv)
 
 
 def _wait_for_port(path: Path, timeout: float = constants.RENDEZVOUS_TIMEOUT_S) -> int:
@@ -294,6 +305,8 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_started(pids, attempt, forked_at):
             rdzv.after_starting_ranks()
+            for f in run.attempt_dir(attempt).glob("*.log"):   # torchelastic's: umask modes
+                os.chmod(f, 0o600)
             if first[0]:
                 first[0] = False
                 hooks.on_ranks_started()

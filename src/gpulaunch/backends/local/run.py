@@ -21,7 +21,7 @@ from pathlib import Path
 from ...caller import collect
 from ...caller.logstream import LogStreamer
 from ...caller.registry import ACTIVE
-from ...common import constants, procutil
+from ...common import constants, procutil, redact
 from ...common.records import LaunchRecord, RunState, StopReason
 from ...common.rundir import RunDir
 from ...errors import ConfigurationError
@@ -123,12 +123,13 @@ class LocalRun:
                                      "ranks forked from the agent) or 'spawn' (fresh interpreters).")
         import dataclasses
         self.record = dataclasses.replace(self.record, started=time.time())
-        self.run.write_launch(self.record)
-        env = child_env()
+        self.run.write_launch(self.record)           # redacted on disk; the values go:
+        env = child_env(redact.secrets_env(self.record))   # in the agent's environment only
         if self.standby:
             self.proc = STANDBY.take(str(self.run.path), env, os.getcwd())
         if self.proc is None:
-            with open(self.run.agent_log, "wb") as agent_log:
+            with open(os.open(self.run.agent_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                      "wb") as agent_log:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
                      "--node-rank", str(self.record.placement.node_rank), "--watch-stdin"],
