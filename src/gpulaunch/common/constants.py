@@ -30,6 +30,7 @@ RAY_STACKS_TIMEOUT_S = 10.0            # every node dumps its ranks' stacks on a
 POLL_LOCAL_S = 0.1                     # caller: local run step interval (wakes on agent exit)
 POLL_RAY_S = 0.25                      # caller: Ray run step interval
 RAY_POLL_WAIT_S = 2.0                  # caller: one round of node polls
+TEARDOWN_TIMEOUT_S = 30.0             # rank: teardown after its result is written (env override)
 AGENT_MONITOR_S = 0.05                 # agent: how soon a rank's exit is seen
 
 # Variables that only take effect when an interpreter (or a library at load time) starts: a

@@ -85,7 +85,39 @@ def _shutdown_process_group() -> None:
         pass
 
 
+def _teardown_bound() -> float:
+    raw = os.environ.get("GPULAUNCH_TEARDOWN_TIMEOUT", "").strip()
+    try:
+        return float(raw) if raw else constants.TEARDOWN_TIMEOUT_S
+    except ValueError:
+        return constants.TEARDOWN_TIMEOUT_S
+
+
+def _arm_teardown_bound(code: int) -> None:
+    """The result (or error) is on disk: what follows (process-group destroy, the user's atexit
+    handlers, a tracker flushing to a dead server) may take at most GPULAUNCH_TEARDOWN_TIMEOUT
+    seconds, then the rank exits anyway. A thread, not an alarm: a signal handler never runs
+    while the main thread is stuck inside C code."""
+    import threading
+    bound = _teardown_bound()
+    if bound <= 0:
+        return
+
+    def cut():
+        try:
+            os.write(2, (f"gpulaunch: rank teardown (process group, atexit handlers) took over "
+                         f"{bound:g} s after the result was written; exiting "
+                         "(GPULAUNCH_TEARDOWN_TIMEOUT)\n").encode())
+        finally:
+            os._exit(code)
+
+    timer = threading.Timer(bound, cut)
+    timer.daemon = True
+    timer.start()
+
+
 def _finish(code: int) -> None:
+    _arm_teardown_bound(code)
     _shutdown_process_group()
     try:
         atexit._run_exitfuncs()
