@@ -36,7 +36,9 @@ AGENT_MONITOR_S = 0.05                 # agent: how soon a rank's exit is seen
 # Variables that only take effect when an interpreter (or a library at load time) starts: a
 # process started earlier (a standby agent; the agent forking ranks) would not see a new value.
 STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_",
-                        "PYTORCH_")
+                        "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "LC_")
+# Exact names of the same kind (locale and temp folder are read once, at start-up).
+STARTUP_ENV_NAMES = ("LANG", "LANGUAGE", "TMPDIR")
 
 # The pipe a forked rank waits on until the agent has forked every rank (elastic_compat).
 FORK_GATE_ENV = "GPULAUNCH_FORK_GATE"
