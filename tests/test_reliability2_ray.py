@@ -4,6 +4,7 @@ two simulated nodes."""
 
 from __future__ import annotations
 
+import json
 import os
 
 import pytest
@@ -64,3 +65,34 @@ def test_node_dirs_removed_when_their_agents_stop(two_nodes, gpulaunch_home):
         distributed(gpus=2, remote=True)(_fails_on_rank_1).distributed()
     runs = two_nodes / "ray-nodes"
     assert not [p for p in runs.glob("*/runs/*")], list(runs.glob("*/runs/*"))
+
+
+PRIVATE = """
+import json, os
+from gpulaunch.backends.ray.ray_launch import ray_launch
+
+@ray_launch(stream_logs="none")
+def where():
+    import ray
+    return [n["NodeManagerAddress"] for n in ray.nodes()]
+
+print("RESULT", json.dumps(where.distributed()[0]))
+"""
+
+
+def test_a_local_ray_is_private_never_the_one_ray_address_names(tmp_path):
+    # RAY_ADDRESS names a cluster (here: nothing listening, as a stale or foreign one would
+    # be): cluster="local" / ray_launch without a cluster must start its own (before, ray.init
+    # (address=None) attached to it, or failed to)
+    import subprocess
+
+    from conftest import PY, python_env
+    tmpdir = f"/tmp/r3-{os.getpid()}"
+    os.makedirs(tmpdir, exist_ok=True)
+    env = python_env({"RAY_ADDRESS": "127.0.0.1:1", "RAY_TMPDIR": tmpdir,
+                      "RAY_AUTH_MODE": "disabled", "GPULAUNCH_HOME": str(tmp_path / "h")})
+    out = subprocess.run([PY, "-c", PRIVATE], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=tmp_path)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
+    assert len(json.loads(line.split(" ", 1)[1])) == 1     # its own one-node instance
