@@ -196,6 +196,11 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     host = hostname()
+    for suffix in ("log", "stderr.log"):   # opened for us by torchelastic, with umask modes
+        try:
+            os.chmod(run.rank_file(attempt, rank, suffix), 0o600)
+        except OSError:
+            pass
     stacks_file = open(os.open(run.rank_file(attempt, rank, "stacks"),
                                os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
     faulthandler.enable(file=sys.stderr, all_threads=True)

@@ -305,8 +305,6 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_started(pids, attempt, forked_at):
             rdzv.after_starting_ranks()
-            for f in run.attempt_dir(attempt).glob("*.log"):   # torchelastic's: umask modes
-                os.chmod(f, 0o600)
             if first[0]:
                 first[0] = False
                 hooks.on_ranks_started()
