@@ -96,3 +96,44 @@ def test_a_local_ray_is_private_never_the_one_ray_address_names(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     line = [ln for ln in out.stdout.splitlines() if ln.startswith("RESULT ")][-1]
     assert len(json.loads(line.split(" ", 1)[1])) == 1     # its own one-node instance
+
+
+INTERRUPTED = """
+import json, os, signal, threading, time
+import ray
+from gpulaunch.backends.ray.ray_launch import ray_launch
+from ray.util.placement_group import placement_group, placement_group_table
+
+ray.init(address="local", num_cpus=2, include_dashboard=False)
+hog = placement_group([{"CPU": 2}])          # the cluster is busy: the launch has to wait
+ray.get(hog.ready())
+
+@ray_launch(gpus=2, cluster="auto", stream_logs="none")
+def never():
+    return 1
+
+threading.Timer(4.0, os.kill, (os.getpid(), signal.SIGINT)).start()   # Ctrl-C while waiting
+try:
+    never.distributed()
+except KeyboardInterrupt:
+    pass
+time.sleep(2.0)
+left = [t["name"] for t in placement_group_table().values()
+        if t["state"] != "REMOVED" and t["name"].startswith("gpulaunch")]
+print("LEFT", json.dumps(left))
+"""
+
+
+def test_ctrl_c_while_ray_launch_waits_for_its_allocation_leaks_no_placement_group(tmp_path):
+    import subprocess
+
+    from conftest import PY, python_env
+    tmpdir = f"/tmp/r4-{os.getpid()}"
+    os.makedirs(tmpdir, exist_ok=True)
+    env = python_env({"RAY_TMPDIR": tmpdir, "RAY_AUTH_MODE": "disabled",
+                      "GPULAUNCH_HOME": str(tmp_path / "h")})
+    out = subprocess.run([PY, "-c", INTERRUPTED], capture_output=True, text=True, timeout=300,
+                         env=env, cwd=tmp_path)
+    lines = [ln for ln in out.stdout.splitlines() if ln.startswith("LEFT ")]
+    assert lines, out.stdout[-3000:] + out.stderr[-3000:]
+    assert json.loads(lines[-1].split(" ", 1)[1]) == []
