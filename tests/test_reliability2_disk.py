@@ -161,3 +161,15 @@ def test_the_pipeline_prunes_after_a_launch(gpulaunch_home, monkeypatch):
         time.sleep(0.1)
     left = [p.name for p in root.iterdir()]
     assert len(left) == 1 and not left[0].startswith("old"), left
+
+
+def test_a_ray_run_whose_agent_pid_is_another_machines_is_kept_while_its_caller_lives(tmp_path):
+    from gpulaunch.common.rundir import hostname
+    root = tmp_path / "runs"
+    run = _fake_run(root, "ray-run", age_days=30, state=RunState.RUNNING, agent_pid=_dead_pid())
+    write_json_atomic(run.launch_json, {"caller_pid": os.getpid(), "host": hostname()})
+    t = time.time() - 30 * 86400
+    os.utime(run.path, (t, t))
+    report = retention.prune(retention.Policy(keep_runs=0, keep_days=0), root=root)
+    assert run.path.exists() and report.kept_active == ["ray-run"]
+    assert run.payload.exists()

@@ -6,7 +6,8 @@ Policy (both settable by environment variable, read at each prune):
 * ``GPULAUNCH_KEEP_DAYS`` (default 7): so is every directory newer than D days (fractions ok);
 * a directory is removed only when it is outside both, and never while its run may be going:
   a run is *active* when its ``status.json`` is not in an end state and its node agent's pid
-  (or, before any status exists, the caller's pid from ``launch.json``) is alive on this host,
+  or its caller's pid (``launch.json``, same host) is alive, or, before any status exists,
+  its caller is alive,
   or when it is younger than ``ACTIVE_GRACE_S`` without any status (a launch being set up).
 
 A kept directory that is no longer active still loses its ``payload.pkl`` (the pickled call:
@@ -75,9 +76,11 @@ def is_active(run: rundir.RunDir, now: float | None = None) -> bool:
     """May this run still be going (or being set up)? When in doubt: yes."""
     now = time.time() if now is None else now
     data = rundir.read_json(run.status_json)
+    launch = rundir.read_json(run.launch_json) or {}
+    caller_alive = launch.get("host") == rundir.hostname() and \
+        _pid_alive(launch.get("caller_pid"))
     if data is None:
-        launch = rundir.read_json(run.launch_json) or {}
-        if launch.get("host") == rundir.hostname() and _pid_alive(launch.get("caller_pid")):
+        if caller_alive:
             return True
         try:
             return now - run.path.stat().st_mtime < ACTIVE_GRACE_S
@@ -89,7 +92,9 @@ def is_active(run: rundir.RunDir, now: float | None = None) -> bool:
         return True
     if state.terminal:
         return False
-    return _pid_alive(data.get("agent_pid"))
+    # the agent's pid is only meaningful here for a local run; a Ray run's mirrored status
+    # names a pid of another machine: its caller (this host) being alive keeps it too
+    return _pid_alive(data.get("agent_pid")) or caller_alive
 
 
 def _run_dirs(root: Path) -> list[Path]:
