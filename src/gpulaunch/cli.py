@@ -171,7 +171,27 @@ def _state(run: RunDir) -> str:
     return str(status.state)
 
 
+def cmd_gc(args) -> int:
+    """``gpulaunch runs --gc``: the retention policy now, without the per-launch bound."""
+    from .common import retention
+    try:
+        policy = retention.Policy.from_env()
+    except ValueError as e:
+        print(f"gpulaunch: error: {e}", file=sys.stderr)
+        return 2
+    report = retention.prune(policy)
+    print(f"gpulaunch: removed {len(report.removed)} run dir(s) under {rundir.runs_root()} "
+          f"(kept the newest {policy.keep_runs} and those newer than {policy.keep_days:g} days: "
+          f"GPULAUNCH_KEEP_RUNS / GPULAUNCH_KEEP_DAYS); {len(report.kept_active)} active, "
+          f"{len(report.payloads_dropped)} payload(s) dropped")
+    for err in report.errors:
+        print(f"gpulaunch: could not remove {err}", file=sys.stderr)
+    return 1 if report.errors else 0
+
+
 def cmd_runs(args) -> int:
+    if getattr(args, "gc", False):
+        return cmd_gc(args)
     rows = []
     for run in _runs(args.limit):
         try:
@@ -308,6 +328,9 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("runs", help="list recent runs")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--long", "-l", action="store_true", help="also show each MLflow run id")
+    p.add_argument("--gc", action="store_true",
+                   help="remove old run dirs: keep the newest GPULAUNCH_KEEP_RUNS (100) and "
+                        "those newer than GPULAUNCH_KEEP_DAYS (7); never a running one")
     p = sub.add_parser("logs", help="print a run's logs")
     p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
     p.add_argument("--rank", type=int, default=None)

@@ -46,6 +46,17 @@ class SerializationError(UserError, TypeError):
     """The function, an argument or a return value cannot be pickled (or is too large)."""
 
 
+class ResultLoadError(SerializationError):
+    """A rank's return value reached the caller but cannot be unpickled here (a class only the
+    ranks can import, a device this process lacks). ``rank`` and ``path`` (the raw pickle,
+    kept) say which."""
+
+    def __init__(self, message: str, *, rank: int | None = None, path: str | None = None):
+        super().__init__(message)
+        self.rank = rank
+        self.path = path
+
+
 class WontFitError(ConfigurationError):
     """``plan=`` was given and the planner predicts the run would not fit in GPU memory."""
 

@@ -11,8 +11,11 @@ import linecache
 import os
 import pickle
 import re
+import warnings
 from pathlib import Path
 
+from .. import errors
+from ..common import constants
 from ..common.records import RankError, RankExit, RunState, StopReason
 from ..common.rundir import RunDir
 from .logstream import tail_text
@@ -96,8 +99,8 @@ def rank_failures(run: RunDir, attempt: int, exits: dict[int, RankExit]) -> tupl
 
 def hang_report(run: RunDir, attempt: int, world_size: int) -> HangReport | None:
     hang = run.hang()
-    if hang is None:
-        return None
+    if hang is None or hang.attempt != attempt:
+        return None    # no hang, or one of an earlier attempt that a restart recovered from
     stacks = {}
     for r in range(world_size):
         try:
@@ -113,17 +116,57 @@ def hang_report(run: RunDir, attempt: int, world_size: int) -> HangReport | None
     return HangReport(hang.detected_by, hang.stuck_for, hang.where or "", stacks)
 
 
-def result_loader(run: RunDir, attempt: int, world_size: int):
-    """Load the per-rank results (None for ranks of a script/command entry point)."""
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def result_warn_bytes() -> int:
+    raw = os.environ.get("GPULAUNCH_RESULT_WARN_BYTES", "").strip()
+    return int(raw) if raw.isdigit() else constants.RESULT_WARN_BYTES
+
+
+def result_loader(run: RunDir, attempt: int, world_size: int, entry_kind: str = "function"):
+    """Load the per-rank results (None for ranks of a script/command entry point).
+
+    A function rank that ended with exit code 0 but wrote no result (``os._exit(0)`` inside
+    the function) failed: it is reported, never turned into a silent None. A result the caller
+    cannot unpickle (a class only the ranks can import, a device this process lacks) is a
+    ``ResultLoadError`` naming the rank, the reason and the raw file, which stays on disk."""
     def load() -> list:
         results = []
+        limit = result_warn_bytes()
         for r in range(world_size):
             path = run.rank_file(attempt, r, "result.pkl")
             if not path.exists():
+                if entry_kind == "function":
+                    raise errors.WorkerCrashError(
+                        f"Rank {r} exited with code 0 without returning a result: the function "
+                        "ended the process itself (os._exit(0), or a native library calling "
+                        f"exit(0)) before it returned.\nRun directory: {run.path}",
+                        rank=r, exit_code=0, run_dir=str(run.path),
+                        log_tail=rank_log(run, attempt, r))
                 results.append(None)
                 continue
-            with open(path, "rb") as f:
-                results.append(pickle.load(f))
+            size = path.stat().st_size
+            if limit and size > limit:
+                warnings.warn(f"gpulaunch: rank {r} returned a {_human(size)} result (over "
+                              f"{_human(limit)}; GPULAUNCH_RESULT_WARN_BYTES): it travels "
+                              "through the disk and the caller's memory; save large state to "
+                              "a file inside the function and return its path instead.",
+                              ResourceWarning, stacklevel=2)
+            try:
+                with open(path, "rb") as f:
+                    results.append(pickle.load(f))
+            except Exception as e:  # noqa: BLE001 - any failure of the unpickling
+                raise errors.ResultLoadError(
+                    f"The result of rank {r} could not be unpickled in the caller: "
+                    f"{type(e).__name__}: {e}. Likely a class only the ranks can import (make "
+                    "it importable here, or return plain data), or a device this process does "
+                    f"not have. The raw pickle is kept at {path}", rank=r, path=str(path)) from e
         return results
     return load
 
@@ -149,4 +192,4 @@ def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
         oom_confirmed=(oom_now is not None and oom_kills_at_start is not None
                        and oom_now > oom_kills_at_start),
         nproc_per_node=nproc_per_node, peer_failure=peer_failure,
-        load_results=result_loader(run, attempt, world_size))
+        load_results=result_loader(run, attempt, world_size, entry_kind))

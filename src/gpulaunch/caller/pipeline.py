@@ -99,7 +99,20 @@ def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, strea
     hooks.on_start(run)
     ACTIVE.add(run)
     _announce(run, fit)
+    _prune_old_runs(run_dir)
     return run
+
+
+def _prune_old_runs(run_dir) -> None:
+    """Retention of old run directories (common/retention.py), in a daemon thread: bounded per
+    launch and never able to fail or slow it. This caller's runs in flight are protected."""
+    import threading
+
+    from ..common import retention
+    protect = [str(run_dir.path)] + [str(getattr(r, "run", r).path) for r in ACTIVE.runs()
+                                     if hasattr(getattr(r, "run", None), "path")]
+    threading.Thread(target=retention.prune_quietly, args=(protect,), daemon=True,
+                     name="gpulaunch-prune").start()
 
 
 def _backend_run(backend, record, run_dir, options, payload, hooks, *, stream, standby, write):

@@ -12,6 +12,7 @@ DEFAULT_SHUTDOWN_GRACE_S = 5.0         # SIGTERM -> SIGKILL when stopping ranks
 DEFAULT_START_TIMEOUT_S = 180.0        # node agents up (they import torch), Ray placement
 DEFAULT_NODE_LOST_TIMEOUT_S = 30.0     # a node agent silent this long is lost
 DEFAULT_MAX_ARG_BYTES = 1 << 30        # 1 GiB: past this, load the data inside the function
+RESULT_WARN_BYTES = 256 << 20          # a rank's result over this: warn (GPULAUNCH_RESULT_WARN_BYTES)
 DEFAULT_CPU_WORKERS = 2                # gpus=None on a host without GPUs
 
 # ----------------------------------------------------------------- internal bounds
@@ -29,12 +30,15 @@ RAY_STACKS_TIMEOUT_S = 10.0            # every node dumps its ranks' stacks on a
 POLL_LOCAL_S = 0.1                     # caller: local run step interval (wakes on agent exit)
 POLL_RAY_S = 0.25                      # caller: Ray run step interval
 RAY_POLL_WAIT_S = 2.0                  # caller: one round of node polls
+TEARDOWN_TIMEOUT_S = 30.0              # rank: teardown after its result is written (env override)
 AGENT_MONITOR_S = 0.05                 # agent: how soon a rank's exit is seen
 
 # Variables that only take effect when an interpreter (or a library at load time) starts: a
 # process started earlier (a standby agent; the agent forking ranks) would not see a new value.
 STARTUP_ENV_PREFIXES = ("PYTHON", "LD_", "MALLOC_", "OMP_", "KMP_", "GOMP_", "MKL_", "TORCH_",
-                        "PYTORCH_")
+                        "PYTORCH_", "TORCHINDUCTOR_", "TORCHDYNAMO_", "LC_")
+# Exact names of the same kind (locale and temp folder are read once, at start-up).
+STARTUP_ENV_NAMES = ("LANG", "LANGUAGE", "TMPDIR")
 
 # The pipe a forked rank waits on until the agent has forked every rank (elastic_compat).
 FORK_GATE_ENV = "GPULAUNCH_FORK_GATE"

@@ -12,6 +12,7 @@ agent and the ranks.
         attempt<k>/rank<r>.info.json RankInfo: pid, host, start time (written by the rank)
         attempt<k>/rank<r>.result.pkl / .error.pkl (RankError) / .stuck (StuckReport) / .stacks
         attempt<k>/rank<r>.nccl_trace.pkl   NCCL flight recorder, dumped on a hang (GPU ranks)
+        attempt<k>/rank<r>.loaded    empty: rank r has read payload.pkl (the agent then drops it)
 
 The record types are in ``records.py``; this module only names the files and reads/writes them.
 
@@ -28,6 +29,7 @@ import socket
 import threading
 from pathlib import Path
 
+from . import redact
 from .records import HangRecord, JobStatus, LaunchRecord, NodeStatus, RankInfo
 
 
@@ -45,9 +47,39 @@ def new_run_id(label: str) -> str:
     return f"{stamp}-{safe}-{secrets.token_hex(3)}"
 
 
+def ensure_home() -> Path:
+    """The home folder, created owner-only (0700), and checked as ssh checks ~/.ssh: a folder
+    another user owns, or one that others may write to, could have its run directories (the
+    pickled calls, results, logs) read or replaced; it is refused with the fix. The default
+    ~/.gpulaunch of an older version (0755) is tightened to 0700 instead."""
+    from ..errors import ConfigurationError
+    h = home()
+    explicit = bool(os.environ.get("GPULAUNCH_HOME"))
+    if not h.exists():
+        h.mkdir(parents=True, exist_ok=True, mode=0o700)
+        os.chmod(h, 0o700)
+    st = h.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigurationError(
+            f"gpulaunch's home {h} belongs to uid {st.st_uid}, not to you (uid {os.getuid()}): "
+            "its runs (pickled calls, results) would be readable or replaceable by that user. "
+            "Point GPULAUNCH_HOME to a folder of your own (e.g. ~/.gpulaunch).")
+    if st.st_mode & 0o077:
+        if explicit and st.st_mode & 0o022:
+            raise ConfigurationError(
+                f"GPULAUNCH_HOME={h} is writable by group or others (mode "
+                f"{oct(st.st_mode & 0o777)}): another user could replace a run's files. Fix: "
+                f"`chmod 700 {h}`, or point GPULAUNCH_HOME to a private folder.")
+        if not explicit:
+            os.chmod(h, 0o700)
+    return h
+
+
 def create(label: str) -> "RunDir":
+    ensure_home()
     root = runs_root()
     root.mkdir(parents=True, exist_ok=True, mode=0o700)
+    os.chmod(root, 0o700)
     run_id = new_run_id(label)
     path = root / run_id
     path.mkdir(mode=0o700)
@@ -59,7 +91,7 @@ def write_json_atomic(path: Path, data) -> None:
     # unique per process *and* thread: two threads of one process (a run's follower and a
     # cancel() from the caller, a threaded Ray actor) must never share a temporary file
     tmp = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-    with open(tmp, "w") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
         json.dump(data, f, indent=1, default=str)
     os.replace(tmp, path)
 
@@ -122,7 +154,9 @@ class RunDir:
         return LaunchRecord.from_data(data) if data else None
 
     def write_launch(self, record: LaunchRecord) -> None:
-        write_json_atomic(self.launch_json, record.to_data())
+        """Stored redacted: env= values and secret-looking arguments never reach the disk
+        (``redact.py``; the agent gets them through its environment)."""
+        write_json_atomic(self.launch_json, redact.redacted(record).to_data())
 
     def rank_info(self, attempt: int, rank: int) -> RankInfo | None:
         data = read_json(self.rank_file(attempt, rank, "info.json"))
@@ -135,6 +169,24 @@ class RunDir:
     def hang(self) -> HangRecord | None:
         data = read_json(self.hang_json)
         return HangRecord.from_data(data) if data else None
+
+    # the payload: deleted as soon as no rank can need it any more (it may be gigabytes, and
+    # hold secrets); see backends/local/agent.py for who decides when
+    def mark_loaded(self, attempt: int, rank: int) -> None:
+        """Written by a rank once it has read and closed the payload file."""
+        self.rank_file(attempt, rank, "loaded").touch(mode=0o600)
+
+    def loaded_count(self, attempt: int) -> int:
+        return len(list(self.attempt_dir(attempt).glob("rank*.loaded")))
+
+    def drop_payload(self) -> bool:
+        """Delete payload.pkl; True if it was there. Idempotent and race-free: unlink is atomic
+        and a second caller just finds nothing."""
+        try:
+            self.payload.unlink()
+            return True
+        except FileNotFoundError:
+            return False
 
     def rank_pids(self) -> list[int]:
         """Every rank pid this run recorded (status and each attempt's info files)."""

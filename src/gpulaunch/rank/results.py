@@ -42,7 +42,7 @@ def write(path: Path, value) -> None:
     """Pickle ``value`` (tensors moved to the CPU) into ``path`` atomically."""
     tmp = path.with_name(f".{path.name}.tmp")
     try:
-        with open(tmp, "wb") as f:
+        with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
             _ResultPickler(f, protocol=5).dump(value)
         os.replace(tmp, path)
     finally:

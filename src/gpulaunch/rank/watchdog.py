@@ -115,7 +115,7 @@ class StallWatchdog(threading.Thread):
                 record = StuckReport(rank=self.rank, stuck_for=round(now - since, 1),
                                      since_unix=time.time() - (now - since), where=where)
                 tmp = self.stuck_file + ".tmp"
-                with open(tmp, "w") as f:
+                with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
                     f.write(record.to_json())
                 os.replace(tmp, self.stuck_file)
                 reported = True

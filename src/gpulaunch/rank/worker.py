@@ -30,6 +30,7 @@ from pathlib import Path
 from ..common import constants, procutil
 from ..common.payload import exception_record
 from ..common.records import RankInfo
+from ..common.redact import ENTRY_ARGV_ENV
 from ..common.rundir import RunDir, hostname, write_json_atomic
 from . import results
 
@@ -42,7 +43,7 @@ COLLATERAL_PATTERNS = (
 
 def _write_bytes_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
         f.write(data)
     os.replace(tmp, path)
 
@@ -55,7 +56,7 @@ def _write_elastic_error_file(exc: BaseException, tb: str) -> None:
     data = {"message": {"message": f"{type(exc).__name__}: {_safe_str(exc)}",
                         "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
     try:
-        with open(path, "w") as f:
+        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
             json.dump(data, f)
     except OSError:
         pass
@@ -88,7 +89,39 @@ def _shutdown_process_group() -> None:
         pass
 
 
+def _teardown_bound() -> float:
+    raw = os.environ.get("GPULAUNCH_TEARDOWN_TIMEOUT", "").strip()
+    try:
+        return float(raw) if raw else constants.TEARDOWN_TIMEOUT_S
+    except ValueError:
+        return constants.TEARDOWN_TIMEOUT_S
+
+
+def _arm_teardown_bound(code: int) -> None:
+    """The result (or error) is on disk: what follows (process-group destroy, the user's atexit
+    handlers, a tracker flushing to a dead server) may take at most GPULAUNCH_TEARDOWN_TIMEOUT
+    seconds, then the rank exits anyway. A thread, not an alarm: a signal handler never runs
+    while the main thread is stuck inside C code."""
+    import threading
+    bound = _teardown_bound()
+    if bound <= 0:
+        return
+
+    def cut():
+        try:
+            os.write(2, (f"gpulaunch: rank teardown (process group, atexit handlers) took over "
+                         f"{bound:g} s after the result was written; exiting "
+                         "(GPULAUNCH_TEARDOWN_TIMEOUT)\n").encode())
+        finally:
+            os._exit(code)
+
+    timer = threading.Timer(bound, cut)
+    timer.daemon = True
+    timer.start()
+
+
 def _finish(code: int) -> None:
+    _arm_teardown_bound(code)
     _shutdown_process_group()
     try:
         atexit._run_exitfuncs()
@@ -167,7 +200,13 @@ def main(argv: list[str]) -> None:
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     host = hostname()
-    stacks_file = open(run.rank_file(attempt, rank, "stacks"), "w")
+    for suffix in ("log", "stderr.log"):   # opened for us by torchelastic, with umask modes
+        try:
+            os.chmod(run.rank_file(attempt, rank, suffix), 0o600)
+        except OSError:
+            pass
+    stacks_file = open(os.open(run.rank_file(attempt, rank, "stacks"),
+                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
     faulthandler.enable(file=sys.stderr, all_threads=True)
     faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
     write_json_atomic(run.rank_file(attempt, rank, "info.json"), RankInfo(
@@ -183,27 +222,38 @@ def main(argv: list[str]) -> None:
         watchdog.start()
 
     try:
-        result = _entry(run)()
+        kind = run.launch().entry.kind
+    except Exception:  # noqa: BLE001 - _entry reports an unreadable record
+        kind = "function"
+    try:
+        result = _entry(run, attempt, rank)()
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code == 0:
-            result = None
+        if code == 0 and kind != "function":
+            result = None        # a script's sys.exit(0) is its success
         else:
+            # a function that calls sys.exit(0) did not return: a failure that says so
+            caught = time.time()
             tb = _user_traceback(e)
             sys.stderr.write(tb)
             record = exception_record(e, rank=rank, host=host, tb=tb, exit_code=code,
-                                      time=time.time())
+                                      time=caught)
             _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
             _write_elastic_error_file(e, tb)
-            _finish(code)
+            _finish(code or 1)
             return
     except BaseException as e:  # noqa: BLE001 - everything must be reported
+        caught = time.time()      # stamped before the slow work (traceback, memory, pickling)
         tb = _user_traceback(e)
         sys.stderr.write(tb)
-        caught = time.time()      # stamped before the slow work (memory summary, pickling)
         record = exception_record(e, rank=rank, host=host, tb=tb, time=caught,
                                   extra=_cuda_memory_report(e),
                                   collateral=any(p in _safe_str(e) for p in COLLATERAL_PATTERNS))
+        if not isinstance(e, Exception):
+            # KeyboardInterrupt, GeneratorExit...: the RANK's, never re-raised in the caller as
+            # if the caller itself had been interrupted; it gets a RemoteError naming the rank
+            import dataclasses
+            record = dataclasses.replace(record, exception=None)
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
         _write_elastic_error_file(e, tb)
         _finish(1)
@@ -232,16 +282,18 @@ def main(argv: list[str]) -> None:
     _finish(0)
 
 
-def _entry(run: RunDir):
+def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
     """What this rank runs: the shipped function, a script, a module, or any command."""
     entry = run.launch().entry
     kind = entry.kind
     if kind == "function":
         from ..common.payload import load_call
         func, args, kwargs = load_call(run.payload)
+        run.mark_loaded(attempt, rank)   # the file is closed: the agent may delete it now
         return lambda: func(*args, **kwargs)
     import runpy
-    argv = list(entry.argv)
+    real = os.environ.pop(ENTRY_ARGV_ENV, None)   # launch.json holds the masked argv
+    argv = json.loads(real) if real else list(entry.argv)
     if kind == "script":
         def run_script():
             sys.argv = argv

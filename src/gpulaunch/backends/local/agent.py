@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import logging
 import os
 import signal
@@ -34,7 +35,7 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ...common import constants, procutil
+from ...common import constants, procutil, redact
 from ...common.records import (
     RECORD_VERSION,
     AttemptRecord,
@@ -71,7 +72,7 @@ class RunDirLogs(LogsSpecs):
         for local_rank, env in envs.items():
             attempt = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
             rank = int(env["RANK"])
-            self.run.attempt_dir(attempt).mkdir(exist_ok=True)
+            self.run.attempt_dir(attempt).mkdir(exist_ok=True, mode=0o700)
             dest.stdouts[local_rank] = str(self.run.rank_file(attempt, rank, "log"))
             dest.stderrs[local_rank] = str(self.run.rank_file(attempt, rank, "stderr.log"))
             dest.error_files[local_rank] = str(self.run.rank_file(attempt, rank, "error.json"))
@@ -118,11 +119,15 @@ def _watch_hangs(run: RunDir, agent: ElasticAgent, status: StatusWriter, device:
     would make the ranks of the other nodes fail on a closed connection before the caller could
     ask them for their stacks (the very stacks that show who waits for whom): so we report,
     then leave the teardown to the caller, within ``HANG_TEARDOWN_WAIT_S``."""
+    handled = -1      # every attempt is watched (with max_restarts, a hang restarts the group)
     while not stop_event.wait(0.5):
         attempt = agent.attempt
+        if attempt <= handled:
+            continue
         stuck = sorted(run.attempt_dir(attempt).glob("rank*.stuck"))
         if not stuck:
             continue
+        handled = attempt
         report = StuckReport.from_data(read_json(stuck[0], {}) or {"rank": -1, "stuck_for": 0,
                                                                    "since_unix": 0, "where": ""})
         pids = agent.current_pids()
@@ -141,7 +146,21 @@ def _watch_hangs(run: RunDir, agent: ElasticAgent, status: StatusWriter, device:
         if nnodes > 1:
             stop_event.wait(constants.HANG_TEARDOWN_WAIT_S)
         procutil.kill_process_groups(pids, signal.SIGKILL)
+
+
+def _drop_payload_when_loaded(run: RunDir, agent: ElasticAgent, spec,
+                              stop_event: threading.Event) -> None:
+    """Delete payload.pkl once every local rank of the LAST possible attempt has read it (each
+    rank touches ``rank<r>.loaded`` after closing the file, so there is no race with a reader;
+    an earlier attempt's ranks may be restarted and would need it again). The agent's end
+    drops it in any case."""
+    if not run.payload.exists():
         return
+    while not stop_event.wait(0.2):
+        attempt = agent.attempt
+        if attempt >= spec.max_restarts and run.loaded_count(attempt) >= spec.nproc_per_node:
+            run.drop_payload()
+            return
 
 
 def _wait_for_traces(run: RunDir, attempt: int, ranks: int, timeout: float = 5.0) -> None:
@@ -178,8 +197,18 @@ def _worker_env(record: LaunchRecord, run: RunDir, node_rank: int, extra: dict) 
         env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
         env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run.path / "nccl_trace_rank_"))
     env.update(extra)
+    # launch.json holds env= names only and masked arguments; the caller sent the values in
+    # our environment (redact.py), taken out here so no rank inherits the whole bundle
+    secrets = redact.take_secrets(env)
+    values = secrets.get("env", {})
     for k, v in spec.env:
-        env[k] = v
+        if k in values:
+            env[k] = values[k]
+        elif v != redact.ENV_NOT_STORED:
+            env[k] = v
+    argv = secrets.get("entry_argv")
+    if argv is not None and tuple(argv) != tuple(record.entry.argv):
+        env[redact.ENTRY_ARGV_ENV] = json.dumps(argv)
 
 
 def _wait_for_port(path: Path, timeout: float = constants.RENDEZVOUS_TIMEOUT_S) -> int:
@@ -303,9 +332,12 @@ def main(argv: list[str] | None = None) -> int:
             threading.Thread(target=_watch_hangs, daemon=True,
                              args=(run, agent, status, spec.device, stop_event,
                                    placement.nnodes)).start()
+        threading.Thread(target=_drop_payload_when_loaded, daemon=True,
+                         args=(run, agent, spec, stop_event)).start()
         result = agent.run()
     except SignalException as e:
         stop_event.set()
+        run.drop_payload()
         if hooks is not None:
             hooks.stop()
         if peers and peers[0].peer is not None:     # another node failed: so did the job
@@ -318,6 +350,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(e.sigval)
     except BaseException as e:  # noqa: BLE001 - the caller must learn why
         stop_event.set()
+        run.drop_payload()
         if hooks is not None:
             hooks.stop()
         status.update(state=RunState.AGENT_ERROR, error=f"{type(e).__name__}: {e}",
@@ -325,6 +358,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 2
     stop_event.set()
+    run.drop_payload()   # no rank of this node will start again
     hooks.stop()
     if result.is_failed():
         exits = exits_from(result.failures)

@@ -21,7 +21,7 @@ from pathlib import Path
 from ...caller import collect
 from ...caller.logstream import LogStreamer
 from ...caller.registry import ACTIVE
-from ...common import constants, procutil
+from ...common import constants, procutil, redact
 from ...common.records import LaunchRecord, RunState, StopReason
 from ...common.rundir import RunDir
 from ...errors import ConfigurationError
@@ -30,11 +30,47 @@ from .standby import STANDBY
 _PACKAGE_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding "gpulaunch/"
 
 
+def _site_dirs() -> set[str]:
+    import site
+    import sysconfig
+    dirs = set(site.getsitepackages()) | {site.getusersitepackages()}
+    dirs |= {sysconfig.get_paths().get(k) for k in ("purelib", "platlib", "stdlib")}
+    return {os.path.realpath(d) for d in dirs if d}
+
+
+def _installed_importable(root: str) -> bool:
+    """Would a fresh interpreter import this very gpulaunch without help? Yes when it lives in a
+    site directory, or a .pth file there (an editable install) names its root."""
+    real = os.path.realpath(root)
+    sites = _site_dirs()
+    if real in sites or "site-packages" in real or "dist-packages" in real:
+        return True
+    for d in sites:
+        try:
+            names = [n for n in os.listdir(d) if n.endswith(".pth")]
+        except OSError:
+            continue
+        for name in names:
+            try:
+                with open(os.path.join(d, name)) as f:
+                    if any(os.path.realpath(line.strip()) == real for line in f
+                           if line.strip() and not line.startswith(("#", "import"))):
+                        return True
+            except OSError:
+                continue
+    return False
+
+
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
-    """The caller's environment, plus gpulaunch importable in the children (dev checkouts)."""
+    """The caller's environment, PYTHONPATH unchanged. Only a source checkout that a child could
+    not otherwise import gets its root (the folder holding gpulaunch/, nothing else) put first,
+    so the children run this very gpulaunch. An installed gpulaunch adds nothing: its root is
+    site-packages, which first on PYTHONPATH would shadow the standard library."""
     env = dict(os.environ)
     paths = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
-    if _PACKAGE_ROOT not in paths:
+    real_paths = {os.path.realpath(p) for p in paths}
+    if os.path.realpath(_PACKAGE_ROOT) not in real_paths and \
+            not _installed_importable(_PACKAGE_ROOT):
         env["PYTHONPATH"] = os.pathsep.join([_PACKAGE_ROOT] + paths)
     if extra:
         env.update(extra)
@@ -88,12 +124,13 @@ class LocalRun:
                                      "ranks forked from the agent) or 'spawn' (fresh interpreters).")
         import dataclasses
         self.record = dataclasses.replace(self.record, started=time.time())
-        self.run.write_launch(self.record)
-        env = child_env()
+        self.run.write_launch(self.record)           # redacted on disk; the values go:
+        env = child_env(redact.secrets_env(self.record))   # in the agent's environment only
         if self.standby:
             self.proc = STANDBY.take(str(self.run.path), env, os.getcwd())
         if self.proc is None:
-            with open(self.run.agent_log, "wb") as agent_log:
+            with open(os.open(self.run.agent_log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600),
+                      "wb") as agent_log:
                 self.proc = subprocess.Popen(
                     [sys.executable, "-m", "gpulaunch.backends.local.agent", str(self.run.path),
                      "--node-rank", str(self.record.placement.node_rank), "--watch-stdin"],
@@ -159,6 +196,7 @@ class LocalRun:
         if self.streamer:
             self.streamer.pump(final=True)
         self.kill_leftovers()
+        self.run.drop_payload()   # an agent killed before it could: nothing reads it any more
         if self.callbacks is not None:
             self.callbacks.on_end(self, self.state)
         if self.standby:

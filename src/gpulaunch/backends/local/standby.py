@@ -18,7 +18,9 @@ A process that launches once pays nothing extra (the standby is started only whe
 and one that launches again starts warm. The standby's environment is the caller's at the
 moment of the request, applied before the agent reads anything, except for what an
 interpreter or torch reads while starting up (``STARTUP_ENV_PREFIXES``): if one of those
-changed since the standby started, it is discarded and the run starts cold, as before.
+changed since the standby started, it is discarded and the run starts cold, as before; so is
+one started before a package was installed or upgraded (``installed_fingerprint``: the site
+folders' and PYTHONPATH entries' modification times). Its stderr goes to ``<home>/standby.log``.
 
 It is never used for a node of a multi-node run or by ``gpulaunch run`` (one launch per
 process), and ``GPULAUNCH_STANDBY=0`` turns it off. An idle standby costs one process with
@@ -46,7 +48,31 @@ def enabled() -> bool:
 
 
 def _startup_env(env: dict[str, str]) -> dict[str, str]:
-    return {k: v for k, v in env.items() if k.startswith(STARTUP_ENV_PREFIXES)}
+    return {k: v for k, v in env.items()
+            if k.startswith(STARTUP_ENV_PREFIXES) or k in constants.STARTUP_ENV_NAMES}
+
+
+def installed_fingerprint(env: dict[str, str]) -> tuple:
+    """What an interpreter would import from: each site directory and PYTHONPATH entry with its
+    modification time. ``%pip install -U torch`` in the notebook adds and removes
+    ``*.dist-info`` folders there, which changes the folder's mtime: a standby that imported
+    the old torch must not run the next call. One stat per folder: microseconds."""
+    import site
+    dirs = list(site.getsitepackages()) + [site.getusersitepackages()]
+    dirs += [p for p in sys.path if "site-packages" in p or "dist-packages" in p]
+    dirs += [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    out = []
+    for d in dict.fromkeys(dirs):
+        try:
+            out.append((d, os.stat(d).st_mtime_ns))
+        except OSError:
+            out.append((d, None))
+    return tuple(out)
+
+
+def stderr_log_path():
+    from ...common import rundir
+    return rundir.home() / "standby.log"
 
 
 class StandbyAgent:
@@ -56,6 +82,7 @@ class StandbyAgent:
         self._lock = threading.Lock()
         self._proc: subprocess.Popen | None = None
         self._startup: dict[str, str] = {}
+        self._fingerprint: tuple = ()
         self._ready = False
 
     def replenish(self, env: dict[str, str]) -> None:
@@ -66,14 +93,23 @@ class StandbyAgent:
             if self._proc is not None and self._proc.poll() is None:
                 return
             try:
-                self._proc = subprocess.Popen(
-                    [sys.executable, "-m", "gpulaunch.backends.local.standby_process"],
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-                    start_new_session=True, env=env, close_fds=True,
-                    bufsize=0)   # unbuffered: select() on the pipe must see every line
-            except OSError:
+                # its stderr (an import failing, a crash while waiting) goes to a log, kept
+                # for `doctor` and a failure report, instead of nowhere
+                from ...common import rundir
+                rundir.ensure_home()
+                log = os.open(stderr_log_path(), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                try:
+                    self._proc = subprocess.Popen(
+                        [sys.executable, "-m", "gpulaunch.backends.local.standby_process"],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                        start_new_session=True, env=env, close_fds=True,
+                        bufsize=0)   # unbuffered: select() on the pipe must see every line
+                finally:
+                    os.close(log)
+            except Exception:  # noqa: BLE001 - OSError, an unsafe home: no standby
                 self._proc = None          # no standby: the next run starts cold, as before
                 return
+            self._fingerprint = installed_fingerprint(env)
             self._startup = _startup_env(env)
             self._ready = False
 
@@ -82,9 +118,11 @@ class StandbyAgent:
         with self._lock:
             proc, self._proc = self._proc, None
             startup, self._startup = self._startup, {}
+            fingerprint, self._fingerprint = self._fingerprint, ()
         if proc is None:
             return None
-        if proc.poll() is not None or not enabled() or _startup_env(env) != startup:
+        if proc.poll() is not None or not enabled() or _startup_env(env) != startup or \
+                installed_fingerprint(env) != fingerprint:
             _discard(proc)
             return None
         request = (json.dumps({"run_dir": run_dir, "env": env, "cwd": cwd}) + "\n").encode()

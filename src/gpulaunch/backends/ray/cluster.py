@@ -119,8 +119,11 @@ def connect(cluster: RayCluster) -> Any:
                               "log_to_driver": True}
     if address == "local":
         # A private instance in this process: no dashboard, nothing for others to reach.
+        # address="local" (not None: None makes ray.init attach to $RAY_ADDRESS or the last
+        # `ray start` on this machine, possibly another user's). Ray itself turns a loopback
+        # _node_ip_address into the host's IP (services.resolve_ip_for_localhost), so the
+        # node cannot be bound to 127.0.0.1 from here.
         kwargs.update(include_dashboard=False)
-        address = None
     try:
         ray.init(address=address, **kwargs)
     except ConnectionError as e:
@@ -159,7 +162,6 @@ def ray_init(address: str | None = None, **kwargs):
         kwargs.setdefault("include_dashboard", False)
         if kwargs["include_dashboard"]:
             kwargs.setdefault("dashboard_host", "127.0.0.1")
-        resolved = None
     try:
         ctx = ray.init(address=resolved, **kwargs)
     except ConnectionError as e:

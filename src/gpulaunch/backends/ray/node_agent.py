@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import shutil
 import signal
 import socket
 import time
 from pathlib import Path
 
 from ...common import constants, procutil
-from ...common.records import LaunchRecord, LaunchSpec, NodePlacement, StopReason
+from ...common.records import LaunchRecord, LaunchSpec, NodePlacement, NodeStatus, StopReason
 from ...common.rundir import RunDir, home
 from ..local.run import LocalRun
 
@@ -69,6 +70,7 @@ class NodeAgent:
         os.chmod(path, 0o700)
         self.run = RunDir(path)
         self.local: LocalRun | None = None
+        self._final: dict | None = None    # the last answer, once this node's dir is removed
 
     def info(self) -> dict:
         import ray
@@ -133,10 +135,26 @@ class NodeAgent:
             os.environ["OMP_NUM_THREADS"] = "1"
 
     def _status(self):
+        if self._final is not None:
+            return NodeStatus.from_data(self._final["status"])
         return self.run.status(self.node_rank)
 
     def poll(self, cursors: dict) -> dict:
-        """The node's state and what changed in its run directory since ``cursors``."""
+        """The node's state and what changed in its run directory since ``cursors``.
+
+        Once this node's agent has ended and the caller holds every file (it asked with
+        cursors that leave nothing to send), the node's run directory is removed: the caller's
+        mirror is the run's record, and a node must not keep a copy of each run (payload,
+        logs, results) for ever. Later polls get the last answer again."""
+        if self._final is not None:
+            return self._final
+        answer = self._poll(cursors)
+        if answer["done"] and not answer["files"]:
+            self._final = answer
+            shutil.rmtree(self.run.path, ignore_errors=True)
+        return answer
+
+    def _poll(self, cursors: dict) -> dict:
         done = self.local.poll() if self.local is not None else False
         status = self._status().to_data()
         files = {}

@@ -67,8 +67,15 @@ class RayProgramRun:
         self.run.write_launch(dataclasses.replace(self.record, spec=self.spec,
                                                   backend="ray_program", started=time.time()))
         # A name of this run's own: two concurrent submits never share a placement group.
-        self._pg, _ = placement.reserve(ray, layout, timeout=self.cluster.placement_timeout,
-                                        name=f"gpulaunch-ray-launch-{self.run.run_id}")
+        name = f"gpulaunch-ray-launch-{self.run.run_id}"
+        try:
+            self._pg, _ = placement.reserve(ray, layout, timeout=self.cluster.placement_timeout,
+                                            name=name)
+        except BaseException:
+            # reserve() removes its group on an Exception; a KeyboardInterrupt (Ctrl-C while
+            # waiting for a busy cluster) would leave it holding the cluster: find it by name
+            _remove_named_group(name)
+            raise
         try:
             from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
             strategy = PlacementGroupSchedulingStrategy(
@@ -166,6 +173,15 @@ class RayProgramRun:
         return RunOutcome(state=RunState.AGENT_ERROR,
                           agent_error=f"ray_launch {self.label}: {type(value).__name__}: {value}",
                           **base)
+
+
+def _remove_named_group(name: str) -> None:
+    try:
+        from ray.util import get_placement_group
+        from ray.util.placement_group import remove_placement_group
+        remove_placement_group(get_placement_group(name))
+    except Exception:  # noqa: BLE001 - none of that name (reserve() removed it already)
+        pass
 
 
 def _pickled(exc: BaseException) -> bytes | None:
