@@ -8,7 +8,7 @@ context and no NCCL communicator set-up:
     each call: {"run_dir", "env"} -> output to that run's attempt0/rank<r>.log, RankInfo written,
                the shipped function called, its result or exception written exactly as
                ``worker.py`` writes them (the caller reads them with ``caller.collect``),
-               then gc + ``torch.cuda.empty_cache()``, then "done" on the reply pipe
+               then "done" on the reply pipe, then (once idle) gc + ``empty_cache()``
     end:       stdin EOF or the caller's pid gone -> kill our own process group at once
 
 The process group is created by the first call's function (``rt.init()``, as in a cold run) and
@@ -47,6 +47,7 @@ from .worker import (
 )
 
 REPLY_FD_ENV = "GPULAUNCH_POOL_REPLY_FD"
+TIDY_AFTER_S = 0.05      # idle this long after a call: gc + empty_cache
 # The identity of this rank: kept when a call's environment is applied.
 IDENTITY = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "ROLE_RANK",
             "MASTER_ADDR", "MASTER_PORT", "NODE_RANK", "CUDA_VISIBLE_DEVICES", REPLY_FD_ENV,
@@ -217,12 +218,19 @@ def main() -> None:
         torch.set_num_threads(int(threads))
     host = hostname()
     os.write(reply, b"ready\n")
+    pending = None
     while True:
-        request = requests.get()
+        request = pending if pending is not None else requests.get()
+        pending = None
         serve_call(request, rank, host)
-        _tidy()
+        # "done" first, then tidy only once no call is waiting: gc of a process with torch
+        # imported takes 0.1-0.3 s on a busy 2-core machine, which would otherwise delay a
+        # call that comes right after this one (Python's own gc thresholds still apply).
         os.write(reply, f"done {request.get('seq', 0)}\n".encode())
-
+        try:
+            pending = requests.get(timeout=TIDY_AFTER_S)
+        except queue.Empty:
+            _tidy()
 
 if __name__ == "__main__":
     main()
