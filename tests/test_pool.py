@@ -264,3 +264,15 @@ def test_the_callers_sigkill_leaves_no_process(tmp_path):
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_keep_alive_values_and_refusals():
+    from gpulaunch.options import LaunchOptions
+    assert LaunchOptions(keep_alive=True).keep_alive == 900.0
+    assert LaunchOptions(keep_alive=30).keep_alive == 30.0
+    assert LaunchOptions().keep_alive is False
+    for bad in ("yes", -1, 0, float("inf")):
+        with pytest.raises(gpulaunch.ConfigurationError, match="keep_alive"):
+            LaunchOptions(keep_alive=bad)
+    with pytest.raises(gpulaunch.ConfigurationError, match="max_restarts"):
+        use.with_overrides(max_restarts=1).distributed()

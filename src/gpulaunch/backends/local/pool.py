@@ -176,10 +176,6 @@ class PoolRun:
 
     def __init__(self, record: LaunchRecord, run: RunDir, *, keep_alive: float,
                  callbacks=None, stream: bool = True, write=None):
-        if record.spec.max_restarts:
-            raise ConfigurationError(
-                f"keep_alive= and max_restarts={record.spec.max_restarts} do not combine: a "
-                "restart would drop rt.state. Use one or the other.")
         self.record, self.spec, self.run, self.label = record, record.spec, run, record.label
         self.keep_alive = float(keep_alive)
         self.callbacks = callbacks
@@ -203,6 +199,10 @@ class PoolRun:
         return f"{what}; keep_alive: the ranks stay up for the next call"
 
     def start(self) -> "PoolRun":
+        if self.spec.max_restarts:     # here, not earlier: start() failing ends the callbacks
+            raise ConfigurationError(
+                f"keep_alive= and max_restarts={self.spec.max_restarts} do not combine: a "
+                "restart would drop rt.state. Use one or the other.")
         self.record = dataclasses.replace(self.record, started=time.time())
         self.run.write_launch(self.record)
         env = child_env()
