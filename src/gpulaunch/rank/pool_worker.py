@@ -122,6 +122,8 @@ def serve_call(request: dict, rank: int, host: str) -> None:
     """Run one call in its run directory; record its result or exception like ``worker.py``."""
     run = RunDir(request["run_dir"])
     _apply_env(request.get("env") or {})
+    if request.get("cwd"):
+        os.chdir(request["cwd"])     # a previous call's os.chdir must not leak into this one
     run.attempt_dir(0).mkdir(exist_ok=True)
     log = os.open(run.rank_file(0, rank, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     saved = os.dup(1)

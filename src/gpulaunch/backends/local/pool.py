@@ -227,7 +227,7 @@ class PoolRun:
                 self.streamer.watch(r, self.run.rank_file(0, r, "log"))
         try:
             self.pool.send({"run_dir": str(self.run.path), "seq": self.pool.calls,
-                            "env": call_env})
+                            "env": call_env, "cwd": self.pool.key.cwd})
         except OSError as e:  # a rank died between the check and the send
             self._end(RunState.FAILED, {}, teardown=f"a rank's pipe closed ({e})")
             return self
