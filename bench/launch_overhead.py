@@ -13,6 +13,9 @@ Launchers (``--launchers``, default all):
     api_warm     the same process's second ``fn.distributed()`` (a notebook running the cell
                  again): the first call is untimed, then the clock starts once the standby
                  agent it left (torch imported) is ready
+    pool         the same process's second call with ``keep_alive=`` (the warm rank pool: the
+                 ranks, their process group and rt.state stay up; only the payload travels);
+                 the first call, which starts the pool, is untimed
     api_spawn    the same with ``GPULAUNCH_START_METHOD=spawn`` (ranks are fresh interpreters,
                  as before the fork start; shows what the fork start saves)
     cli          ``gpulaunch run --gpus N script.py`` (a fresh command, interpreter start included)
@@ -35,6 +38,8 @@ directory's timestamps also give where the time went (agent start, rank start, .
 
     python bench/launch_overhead.py --workers 2,4 --reps 5 --out /tmp/lo
     python bench/launch_overhead.py --workers 2 --reps 1 --launchers api,torchrun   # smoke
+    python bench/launch_overhead.py --device cuda --workers 1 --reps 5 \
+        --launchers api,api_warm,pool --out $OUT      # GPU: NCCL, gpulaunch launchers only
 
 Results: ``<out>/launch_overhead.json`` and ``<out>/launch_overhead.md``. Nothing here asserts
 on time.
@@ -59,11 +64,12 @@ from pathlib import Path
 from _proc import exit_on_sigterm, run_group  # bench/_proc.py
 
 ROOT = Path(__file__).resolve().parents[1]
-ALL = ["api", "api_warm", "api_spawn", "cli", "torchrun", "elastic", "elastic_fork", "accelerate", "ray_warm", "ray_warm2",
+ALL = ["api", "api_warm", "pool", "api_spawn", "cli", "torchrun", "elastic", "elastic_fork", "accelerate", "ray_warm", "ray_warm2",
        "ray_cold"]
 LABELS = {
     "api": "gpulaunch `.distributed()`",
     "api_warm": "gpulaunch `.distributed()`, 2nd call (standby agent)",
+    "pool": "gpulaunch `.distributed()`, 2nd call, `keep_alive=` (warm pool)",
     "api_spawn": "gpulaunch `.distributed()`, `GPULAUNCH_START_METHOD=spawn`",
     "cli": "`gpulaunch run` (CLI)",
     "torchrun": "`torchrun`",
@@ -103,6 +109,22 @@ def empty_fn(stamp_dir: str) -> float:
         dist.init_process_group("gloo")
     t = torch.ones(1)
     dist.all_reduce(t)
+    _stamp(stamp_dir, dist.get_rank())
+    out = t.item()
+    dist.destroy_process_group()
+    return out
+
+
+def gpu_fn(stamp_dir: str) -> float:
+    """``--device cuda``: the same on GPUs, as a user writes it (rt.init(): NCCL, device bound)."""
+    import torch
+    import torch.distributed as dist
+
+    from gpulaunch import runtime as rt
+    dev = rt.init()
+    t = torch.ones(1, device=dev)
+    dist.all_reduce(t)
+    torch.cuda.synchronize()
     _stamp(stamp_dir, dist.get_rank())
     out = t.item()
     dist.destroy_process_group()
@@ -157,11 +179,20 @@ def _gpulaunch_phases(t0: float, t_end: float) -> dict:
 def measure_one(launcher: str, n: int, stamp_dir: str, script: str) -> dict:
     """Runs in its own process. Imports first (untimed), then times the launch."""
     extra: dict = {}
-    if launcher in ("api", "api_warm", "api_spawn"):
+    cuda = os.environ.get("BENCH_DEVICE") == "cuda"
+    if cuda and launcher not in ("api", "api_warm", "api_spawn", "pool"):
+        raise SystemExit(f"--device cuda measures gpulaunch's launchers only, not {launcher}")
+    if launcher in ("api", "api_warm", "api_spawn", "pool"):
         if launcher == "api_spawn":
             os.environ["GPULAUNCH_START_METHOD"] = "spawn"
         from gpulaunch import distributed
-        fn = distributed(gpus=n, stream_logs="none")(empty_fn)
+        fn = distributed(gpus=n, stream_logs="none", keep_alive=launcher == "pool",
+                         tracking=False)(gpu_fn if cuda else empty_fn)
+        if launcher == "pool":
+            first = tempfile.mkdtemp(prefix="stamps-")
+            fn.distributed(first)             # untimed: the call that starts the pool
+            shutil.rmtree(first, ignore_errors=True)
+            time.sleep(1.0)                   # a person re-running the cell; ranks tidy up
         if launcher == "api_warm":
             from gpulaunch.backends.local.standby import STANDBY
             first = tempfile.mkdtemp(prefix="stamps-")
@@ -174,6 +205,9 @@ def measure_one(launcher: str, n: int, stamp_dir: str, script: str) -> dict:
         t1 = time.time()
         assert out == [float(n)] * n, out
         extra["phases"] = _gpulaunch_phases(t0, t1)
+        if launcher == "pool":
+            import gpulaunch
+            gpulaunch.shutdown()
     elif launcher in ("cli", "torchrun"):
         cmd = ([sys.executable, "-m", "gpulaunch.cli", "run", "--gpus", str(n), "--logs", "none",
                 script, stamp_dir] if launcher == "cli" else
@@ -338,7 +372,8 @@ def _stats(xs: list[float]) -> dict:
 
 
 def report(results: dict, meta: dict, out: Path) -> str:
-    lines = [f"Launch overhead, empty function (init_process_group + one all_reduce), gloo on CPU. "
+    where = "NCCL on GPUs" if meta.get("device") == "cuda" else "gloo on CPU"
+    lines = [f"Launch overhead, empty function (init_process_group + one all_reduce), {where}. "
              f"{meta['host']}: {meta['cpus']} cores, Python {meta['python']}, torch {meta['torch']}; "
              f"{meta['date']}; {meta['reps']} interleaved repetitions; 1-min load average during "
              f"the runs: median {meta['load_median']:.2f} (min {meta['load_min']:.2f}, max "
@@ -357,7 +392,7 @@ def report(results: dict, meta: dict, out: Path) -> str:
             "agent_ended", "returned"]
     rows = []
     for n, per in results.items():
-        for name in ("api", "api_warm", "api_spawn"):
+        for name in ("api", "api_warm", "pool", "api_spawn"):
             ps = [r["phases"] for r in per.get(name, []) if "phases" in r]
             if ps:
                 rows.append(f"| {n} | {name} | " + " | ".join(
@@ -386,7 +421,8 @@ def _meta(a, counts, launchers, loads) -> dict:
             "torch": torch.__version__, "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "reps": a.reps, "workers": counts, "launchers": launchers,
             "load_median": statistics.median(loads), "load_min": min(loads),
-            "load_max": max(loads), "command": " ".join(["python"] + sys.argv)}
+            "load_max": max(loads), "command": " ".join(["python"] + sys.argv),
+            "device": a.device}
 
 
 def main() -> None:
@@ -396,6 +432,8 @@ def main() -> None:
     p.add_argument("--launchers", default=",".join(ALL))
     p.add_argument("--out", default=None, help="folder for launch_overhead.{json,md}")
     p.add_argument("--timeout", type=float, default=240, help="seconds per measurement")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: NCCL on this host's GPUs (gpulaunch launchers only)")
     p.add_argument("--one", help=argparse.SUPPRESS)
     p.add_argument("--stamp-dir", help=argparse.SUPPRESS)
     p.add_argument("--script", help=argparse.SUPPRESS)
@@ -420,8 +458,11 @@ def main() -> None:
     env["GPULAUNCH_HOME"] = str(work / "gpulaunch_home")
     env["TMPDIR"] = str(work)  # torchrun leaves /tmp/torchelastic_* behind; keep it in here
     env.setdefault("GPULAUNCH_MAX_CPU_WORKERS", str(max(counts)))
-    env["GPULAUNCH_FORCE_CPU"] = "1"
-    env["CUDA_VISIBLE_DEVICES"] = ""
+    if a.device == "cuda":
+        env["BENCH_DEVICE"] = "cuda"
+    else:
+        env["GPULAUNCH_FORCE_CPU"] = "1"
+        env["CUDA_VISIBLE_DEVICES"] = ""
     cluster = None
     if "ray_warm2" in launchers and "ray_warm" not in launchers:
         p.error("ray_warm2 is measured by ray_warm's process: ask for ray_warm too")

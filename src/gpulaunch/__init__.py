@@ -18,6 +18,7 @@ names are here under the same names.
 
 from . import compute, runtime
 from .api import DistributedFunction, RunHandle, distributed
+from .backends.local.pool import shutdown  # releases the warm pool (keep_alive=)
 from .backends.ray.cluster import RayCluster, ray_init  # imports no ray until used
 from .backends.ray.ray_launch import ray_launch
 from .compute import AcceleratorType, GPUType
@@ -50,5 +51,5 @@ __all__ = [
     "GpulaunchError", "UserError", "ConfigurationError", "RuntimeConfigurationError",
     "GPUValidationError", "GPUTypeError", "ArgumentError", "SerializationError", "RunError",
     "WorkerCrashError", "RemoteError", "RunTimeoutError", "LocalExecutionTimeoutError",
-    "HangError", "RunCancelledError", "LaunchError", "NodeLostError",
+    "HangError", "RunCancelledError", "LaunchError", "NodeLostError", "shutdown",
 ]

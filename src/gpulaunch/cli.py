@@ -337,6 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--follow", "-f", action="store_true")
     p = sub.add_parser("doctor", help="what this host has, and whether a launch works")
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
+    from .backends.local import pool_cli
+    pool_cli.add_parser(sub)
     planner = None
     try:
         from .planner import cli as planner
@@ -344,7 +346,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         planner = None
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor}
+    handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
+                "pool": pool_cli.main}
     try:
         if args.command == "plan" and planner is not None:
             return planner.main(args)

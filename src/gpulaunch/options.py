@@ -114,6 +114,17 @@ def _max_arg_bytes(value) -> int:
     return int(value)
 
 
+def _keep_alive(value) -> float | bool:   # False | True (the default idle limit) | idle s
+    if value is None or value is False:
+        return False
+    if value is True:
+        return constants.DEFAULT_KEEP_ALIVE_S
+    if isinstance(value, numbers.Real) and math.isfinite(value) and value > 0:
+        return float(value)
+    raise ConfigurationError(f"keep_alive must be True, False or a positive number of idle "
+                             f"seconds, got {value!r}.")
+
+
 def _plan(value):
     from .caller.fitcheck import validate
     return validate(value)
@@ -250,6 +261,11 @@ class LaunchOptions:
         None, "the MLflow run of each call: None (on when mlflow is installed; "
         "GPULAUNCH_TRACKING=0 turns it off), False, True (required), an experiment name, or "
         "gpulaunch.tracking.Tracking(...).", check=_tracking)
+    keep_alive: Any = setting(
+        False, "keep the ranks (process group, CUDA context, NCCL, rt.state) alive after a call "
+        "so that the next call with the same settings runs on them at once: True (closed after "
+        "15 idle minutes), a number of idle seconds, or False. gpulaunch.shutdown() releases "
+        "them (README: iterate fast in a notebook).", check=_keep_alive)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -116,6 +116,11 @@ def _prune_old_runs(run_dir) -> None:
 
 
 def _backend_run(backend, record, run_dir, options, payload, hooks, *, stream, standby, write):
+    if backend == "local" and options.keep_alive and payload is not None \
+            and record.placement.nnodes == 1:
+        from ..backends.local.pool import PoolRun  # the warm rank pool (keep_alive=)
+        return PoolRun(record, run_dir, keep_alive=options.keep_alive, callbacks=hooks,
+                       stream=stream, write=write)
     if backend == "local":
         from ..backends.local.run import LocalRun
         return LocalRun(record, run_dir, callbacks=hooks, stream=stream, write=write,
