@@ -199,6 +199,17 @@ def cmd_logs(args) -> int:
         return 130
 
 
+def cmd_stacks(args) -> int:
+    from .caller.stacks import collect_stacks
+    run = _find_run(args.run)
+    record = run.launch()
+    if RunState(_state(run)).terminal:
+        raise errors.ConfigurationError(f"run {run.run_id} is over ({_state(run)}): there is no "
+                                        "stack to take; its logs: gpulaunch logs " + run.run_id)
+    print(collect_stacks(run, record.world_size if record else 1, native=args.native or None))
+    return 0
+
+
 def cmd_doctor(args) -> int:
     import platform
     host = hardware.detect()
@@ -260,6 +271,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--follow", "-f", action="store_true")
+    p = sub.add_parser("stacks", help="print every rank's current Python stack (a running run)")
+    p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
+    p.add_argument("--native", action="store_true", help="add native frames (needs py-spy)")
     p = sub.add_parser("doctor", help="what this host has, and whether a launch works")
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
     planner = None
@@ -269,7 +283,8 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         planner = None
     args = parser.parse_args(argv)
-    handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor}
+    handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
+                "stacks": cmd_stacks}
     try:
         if args.command == "plan" and planner is not None:
             return planner.main(args)

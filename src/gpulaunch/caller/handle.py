@@ -109,6 +109,13 @@ class RunHandle:
         """Stop every rank now (SIGTERM, then SIGKILL after the grace period)."""
         self._run.stop(StopReason.CANCELLED)
 
+    def stacks(self, native: bool | None = None):
+        """Every rank's current Python stack (rank -> text; ``print()`` it for the report in
+        the ``HangError`` layout), for a run that is going; ``native``: add py-spy's native
+        frames (default: when py-spy is installed)."""
+        from .stacks import collect_stacks
+        return collect_stacks(self._run.run, self._run.spec.world_size, native=native)
+
     def logs(self, rank: int | None = None, lines: int | None = None) -> str:
         """The log of one rank, or of every rank (prefixed), from the latest attempt."""
         run = self._run.run
