@@ -119,6 +119,12 @@ def _plan(value):
     return validate(value)
 
 
+def _panel(value):
+    if value is not None and not isinstance(value, bool):
+        raise ConfigurationError(f"panel={value!r}: use True, False or None (automatic)")
+    return value
+
+
 def _tracking(value):
     from .tracking import settings
     cfg = settings.normalize(value)
@@ -250,6 +256,11 @@ class LaunchOptions:
         None, "the MLflow run of each call: None (on when mlflow is installed; "
         "GPULAUNCH_TRACKING=0 turns it off), False, True (required), an experiment name, or "
         "gpulaunch.tracking.Tracking(...).", check=_tracking)
+
+    panel: bool | None = setting(
+        None, "the live run panel in a Jupyter notebook: None (on inside a Jupyter kernel when "
+        "ipywidgets is installed; GPULAUNCH_PANEL=0 turns it off), False, or True.",
+        check=_panel)
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

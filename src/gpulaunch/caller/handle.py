@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
 
-from ..backends.base import poll_until_done
 from ..common import constants
 from ..common.records import RunState, StopReason
 from ..errors import LaunchError
@@ -59,7 +59,15 @@ class RunHandle:
 
     def _poll(self, timeout: float | None = None) -> bool:
         interval = getattr(self._run, "poll_interval", constants.POLL_LOCAL_S)
-        return poll_until_done(self._run, interval, timeout)
+        hooks = getattr(self._run, "callbacks", None)      # their on_poll after each poll
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._run.poll():
+            if hooks is not None:
+                hooks.on_poll(self._run)
+            if end is not None and time.monotonic() > end:
+                return False
+            self._run.pause(interval)
+        return True
 
     @property
     def status(self) -> RunState:
