@@ -81,6 +81,13 @@ class RunHandle:
             else None
         return cb.run_id() if cb is not None else None
 
+    @property
+    def panel(self):
+        """The notebook panel's view of this run (None outside Jupyter or with panel=False)."""
+        cb = self._run.callbacks.find("panel") if getattr(self._run, "callbacks", None) \
+            else None
+        return cb.view if cb is not None else None
+
     def done(self) -> bool:
         return self._run.finished
 
