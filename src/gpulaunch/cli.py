@@ -210,6 +210,11 @@ def cmd_stacks(args) -> int:
     return 0
 
 
+def cmd_debug(args) -> int:
+    from .caller.debug_client import attach
+    return attach(_find_run(args.run), args.rank, wait=args.wait)
+
+
 def cmd_doctor(args) -> int:
     import platform
     host = hardware.detect()
@@ -274,6 +279,10 @@ def main(argv: list[str] | None = None) -> int:
     p = sub.add_parser("stacks", help="print every rank's current Python stack (a running run)")
     p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
     p.add_argument("--native", action="store_true", help="add native frames (needs py-spy)")
+    p = sub.add_parser("debug", help="attach pdb to a rank stopped at its error (debug=True)")
+    p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the rank")
     p = sub.add_parser("doctor", help="what this host has, and whether a launch works")
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
     planner = None
@@ -284,7 +293,7 @@ def main(argv: list[str] | None = None) -> int:
         planner = None
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
-                "stacks": cmd_stacks}
+                "stacks": cmd_stacks, "debug": cmd_debug}
     try:
         if args.command == "plan" and planner is not None:
             return planner.main(args)

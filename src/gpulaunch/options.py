@@ -119,10 +119,13 @@ def _plan(value):
     return validate(value)
 
 
-def _panel(value):
-    if value is not None and not isinstance(value, bool):
-        raise ConfigurationError(f"panel={value!r}: use True, False or None (automatic)")
-    return value
+def _flag(name: str, optional: bool = False):
+    def check(value):
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise ConfigurationError(f"{name}={value!r}: use True or False"
+                                     + (" (None: automatic)" if optional else ""))
+        return value
+    return check
 
 
 def _tracking(value):
@@ -257,10 +260,10 @@ class LaunchOptions:
         "GPULAUNCH_TRACKING=0 turns it off), False, True (required), an experiment name, or "
         "gpulaunch.tracking.Tracking(...).", check=_tracking)
 
-    panel: bool | None = setting(
-        None, "the live run panel in a Jupyter notebook: None (on inside a Jupyter kernel when "
-        "ipywidgets is installed; GPULAUNCH_PANEL=0 turns it off), False, or True.",
-        check=_panel)
+    panel: bool | None = setting(None, "the live run panel in Jupyter: None (on in a kernel "
+        "with ipywidgets; GPULAUNCH_PANEL=0: off), True or False.", check=_flag("panel", True))
+    debug: bool = setting(False, "on a rank's error, serve pdb there on loopback (`gpulaunch "
+        "debug RUN --rank N` attaches).", check=_flag("debug"), rank_env="GPULAUNCH_DEBUG")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

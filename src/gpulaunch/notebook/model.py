@@ -39,7 +39,7 @@ class Progress:
 @dataclasses.dataclass(frozen=True)
 class RankRow:
     rank: int
-    state: str                       # starting, running, finished, failed
+    state: str                       # starting, running, finished, failed, debugging
     host: str = ""
     device: str = ""                 # "cuda:<local rank>" or "cpu"
     last_line: str = ""
@@ -91,6 +91,8 @@ def read_metrics(path) -> list[dict]:
 
 
 def _rank_state(run: RunDir, attempt: int, rank: int) -> str:
+    if run.rank_file(attempt, rank, "debug.json").exists():
+        return "debugging"        # stopped at its error, waiting for `gpulaunch debug`
     if run.rank_file(attempt, rank, "error.pkl").exists():
         return "failed"
     if run.rank_file(attempt, rank, "result.pkl").exists():

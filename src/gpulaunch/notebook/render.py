@@ -6,7 +6,8 @@ import html
 
 from . import model
 
-_COLORS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728"}
+_COLORS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "failed": "#d62728",
+           "debugging": "#ff7f0e"}
 
 
 def render_rows(state: model.PanelState) -> str:
