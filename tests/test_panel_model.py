@@ -52,6 +52,24 @@ def test_state_of_a_finished_run_has_rows_progress_metrics_history():
     assert [s for s, _ in st.history["loss"]] == list(range(6))
     html = render.render_rows(st) + render.render_plot(st.history)
     assert "<b>finished</b>" in html and "loss=0.1667" in html and "<polyline" in html
+    # NVML readings (gpus.read on a GPU host) land on the row of the rank with that local rank
+    with_gpu = model.build(RunDir(h.run_dir), gpus={1: {"utilization_percentage": 37.0,
+                                                        "memory_usage_megabytes": 1536.0}})
+    assert with_gpu.rows[0].gpu == {} and with_gpu.rows[1].gpu["utilization_percentage"] == 37
+    assert "<td>37% 1.5 GiB</td>" in render.render_rows(with_gpu)
+
+
+def test_gpu_ids_follow_cuda_visible_devices(monkeypatch):
+    from gpulaunch.common.records import LaunchSpec
+    from gpulaunch.notebook import gpus
+    spec = LaunchSpec(nproc_per_node=2, device="cuda")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    assert gpus.visible_ids(spec) == ["0", "1"]
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    assert gpus.visible_ids(spec) == ["3", "5"]
+    pinned = LaunchSpec(nproc_per_node=2, device="cuda", env=(("CUDA_VISIBLE_DEVICES", "GPU-ab,7"),))
+    assert gpus.visible_ids(pinned) == ["GPU-ab", "7"]
+    assert gpus.read(LaunchSpec(nproc_per_node=2, device="cpu")) == {}
 
 
 def _fail():

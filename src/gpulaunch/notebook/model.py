@@ -15,7 +15,7 @@ import re
 import time
 
 from ..caller.logstream import tail_text
-from ..common.rundir import RunDir
+from ..common.rundir import RunDir, hostname
 
 # tqdm's default bar: " 42%|████▏     | 42/100 [00:01<00:02, 30.1it/s]"
 _TQDM = re.compile(r"(\d+)%\|[^|]*\|\s*(\d+)/(\d+)(?:\s*\[[^,\]]*(?:<[^,\]]*)?,\s*"
@@ -45,6 +45,7 @@ class RankRow:
     last_line: str = ""
     progress: Progress | None = None
     metrics: dict = dataclasses.field(default_factory=dict)   # latest value of each
+    gpu: dict = dataclasses.field(default_factory=dict)       # NVML readings of its GPU
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +103,10 @@ def _rank_state(run: RunDir, attempt: int, rank: int) -> str:
     return "starting"
 
 
-def build(run: RunDir, *, now: float | None = None, outcome: str = "") -> PanelState:
-    """The panel's state for ``run`` at this moment."""
+def build(run: RunDir, *, now: float | None = None, outcome: str = "",
+          gpus: dict[int, dict] | None = None) -> PanelState:
+    """The panel's state for ``run`` at this moment; ``gpus``: local rank -> NVML readings of
+    this host's GPUs (``gpus.read``), shown on the rows of the ranks on this host."""
     record = run.launch()
     world = record.world_size if record else 1
     device = record.spec.device if record else "cpu"
@@ -128,7 +131,9 @@ def build(run: RunDir, *, now: float | None = None, outcome: str = "") -> PanelS
         rows.append(RankRow(
             rank=r, state=_rank_state(run, attempt, r), host=info.host if info else "",
             device=(f"cuda:{info.local_rank}" if device == "cuda" else "cpu") if info else "",
-            last_line=last[-200:], progress=parse_progress(last), metrics=latest))
+            last_line=last[-200:], progress=parse_progress(last), metrics=latest,
+            gpu=(gpus or {}).get(info.local_rank, {}) if info and info.host == hostname()
+            else {}))
     started = record.started if record and record.started else _created(run)
     ended = run.status().ended if outcome else None
     end = ended or (now if now is not None else time.time())

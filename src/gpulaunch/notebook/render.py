@@ -11,7 +11,7 @@ _COLORS = {"starting": "#888", "running": "#1f77b4", "finished": "#2ca02c", "fai
 
 
 def render_rows(state: model.PanelState) -> str:
-    head = ("<tr><th>rank</th><th>state</th><th>host</th><th>device</th><th>progress</th>"
+    head = ("<tr><th>rank</th><th>state</th><th>host</th><th>device</th><th>GPU</th><th>progress</th>"
             "<th>metrics</th><th>last line</th></tr>")
     body = []
     for r in state.rows:
@@ -19,10 +19,14 @@ def render_rows(state: model.PanelState) -> str:
         prog = "" if p is None else (
             f"<progress value='{p.done}' max='{p.total}'></progress> {p.done}/{p.total}"
             + (f" {p.rate:.3g} {html.escape(p.unit)}" if p.rate else ""))
+        g = r.gpu
+        gpu = "" if not g else (
+            f"{g.get('utilization_percentage', 0):.0f}% "
+            f"{g.get('memory_usage_megabytes', 0) / 1024:.1f} GiB")
         metrics = " ".join(f"{html.escape(k)}={_num(v)}" for k, v in sorted(r.metrics.items()))
         body.append(
             f"<tr><td>{r.rank}</td><td style='color:{_COLORS.get(r.state, '#000')}'>"
-            f"<b>{r.state}</b></td><td>{html.escape(r.host)}</td><td>{r.device}</td>"
+            f"<b>{r.state}</b></td><td>{html.escape(r.host)}</td><td>{r.device}</td><td>{gpu}</td>"
             f"<td>{prog}</td><td>{metrics}</td>"
             f"<td><code>{html.escape(r.last_line[-120:])}</code></td></tr>")
     return f"<table class='gpulaunch-ranks'>{head}{''.join(body)}</table>"

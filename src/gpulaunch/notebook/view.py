@@ -12,21 +12,25 @@ blocked in ``.distributed()`` is stopped with the kernel's own stop button (it c
 from __future__ import annotations
 
 import html
+import time
 
 import ipywidgets as w
 
 from ..caller.logstream import tail_text
 from ..common.records import RunState, StopReason
-from . import model
+from . import gpus, model
 from .render import render_header, render_plot, render_rows
 
 LOG_LINES = 200
+GPU_REFRESH_S = 2.0      # NVML is read less often than the files
 
 
 class PanelView:
     def __init__(self, run):
         self.run = run
         self.state: model.PanelState | None = None
+        self._gpus: dict = {}
+        self._gpu_read = float("-inf")
         self.header = w.HTML()
         self.rows = w.HTML()
         self.plot = w.HTML()
@@ -47,7 +51,10 @@ class PanelView:
         self.widget.add_class("gpulaunch-panel")
 
     def refresh(self, outcome: str = "") -> model.PanelState:
-        self.state = model.build(self.run.run, outcome=outcome)
+        now = time.monotonic()
+        if not outcome and now - self._gpu_read >= GPU_REFRESH_S:
+            self._gpu_read, self._gpus = now, gpus.read(self.run.spec)
+        self.state = model.build(self.run.run, outcome=outcome, gpus=self._gpus)
         self.header.value = render_header(self.state)
         self.rows.value = render_rows(self.state)
         self.plot.value = render_plot(self.state.history)
