@@ -129,7 +129,8 @@ class RunHandle:
         the ``HangError`` layout), for a run that is going; ``native``: add py-spy's native
         frames (default: when py-spy is installed)."""
         from .stacks import collect_stacks
-        return collect_stacks(self._run.run, self._run.spec.world_size, native=native)
+        return collect_stacks(self._run.run, self._run.spec.world_size, native=native,
+                              dump=getattr(self._run, "dump_stacks", None))
 
     def logs(self, rank: int | None = None, lines: int | None = None) -> str:
         """The log of one rank, or of every rank (prefixed), from the latest attempt."""

@@ -48,8 +48,9 @@ def _indent(text: str) -> str:
     return "\n".join("    " + line for line in text.splitlines())
 
 
-def _rank_state(run: RunDir, attempt: int, rank: int) -> str | None:
-    """Why rank ``rank`` cannot be asked, or None when it can."""
+def _rank_state(run: RunDir, attempt: int, rank: int, any_host: bool = False) -> str | None:
+    """Why rank ``rank`` cannot be asked, or None when it can (``any_host``: its node's agent
+    signals it, wherever it runs)."""
     if run.rank_file(attempt, rank, "result.pkl").exists():
         return "(already finished: its function had returned)"
     if run.rank_file(attempt, rank, "error.pkl").exists():
@@ -58,15 +59,18 @@ def _rank_state(run: RunDir, attempt: int, rank: int) -> str | None:
     if info is None:
         return "(not started yet)"
     if info.host != hostname():
-        return f"(on host {info.host}: ask that node's agent)"
+        return None if any_host else f"(on host {info.host}: ask that node's agent)"
     if not procutil.pid_alive(info.pid):
         return "(no stack: the rank had already exited)"
     return None
 
 
 def collect_stacks(run: RunDir, world_size: int, *, native: bool | None = None,
-                   timeout: float = DUMP_TIMEOUT_S) -> RankStacks:
-    """Signal every live local rank of the latest attempt and return its fresh stack."""
+                   timeout: float = DUMP_TIMEOUT_S, dump=None) -> RankStacks:
+    """Signal every live rank of the latest attempt and return its fresh stack.
+
+    ``dump``: the backend's own way to have every rank dump (a Ray run asks each node's agent;
+    its files then arrive through the run's polling); default: signal this host's ranks."""
     record = run.launch()
     attempts = run.attempts()
     out = RankStacks()
@@ -77,19 +81,22 @@ def collect_stacks(run: RunDir, world_size: int, *, native: bool | None = None,
     asked: dict[int, tuple[int, int]] = {}        # rank -> (pid, file offset before)
     for r in range(world_size):
         why = "(an exec entry: the program has no gpulaunch handler)" if exec_entry \
-            else _rank_state(run, attempt, r)
+            else _rank_state(run, attempt, r, any_host=dump is not None)
         if why:
             out[r] = why
             continue
         path = run.rank_file(attempt, r, "stacks")
         asked[r] = (run.rank_info(attempt, r).pid, _size(path))
-    procutil.kill_pids([pid for pid, _ in asked.values()], signal.SIGUSR1)
+    if dump is not None:
+        dump()
+    else:
+        procutil.kill_pids([pid for pid, _ in asked.values()], signal.SIGUSR1)
     texts = _read_new(run, attempt, asked, timeout)
     use_spy = native if native is not None else shutil.which("py-spy") is not None
     for r, (pid, _) in asked.items():
         text = texts.get(r, "").strip()
         stack = annotate_stack(text) if text else "(no stack: the rank did not answer)"
-        if use_spy:
+        if use_spy and run.rank_info(attempt, r).host == hostname():
             stack += "\n" + _py_spy(pid)
         out[r] = stack
     return RankStacks(sorted(out.items()))
