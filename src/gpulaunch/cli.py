@@ -271,6 +271,22 @@ def cmd_logs(args) -> int:
         return 130
 
 
+def cmd_stacks(args) -> int:
+    from .caller.stacks import collect_stacks
+    run = _find_run(args.run)
+    record = run.launch()
+    if RunState(_state(run)).terminal:
+        raise errors.ConfigurationError(f"run {run.run_id} is over ({_state(run)}): there is no "
+                                        "stack to take; its logs: gpulaunch logs " + run.run_id)
+    print(collect_stacks(run, record.world_size if record else 1, native=args.native or None))
+    return 0
+
+
+def cmd_debug(args) -> int:
+    from .caller.debug_client import attach
+    return attach(_find_run(args.run), args.rank, wait=args.wait)
+
+
 def cmd_doctor(args) -> int:
     import platform
     host = hardware.detect()
@@ -335,6 +351,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
     p.add_argument("--rank", type=int, default=None)
     p.add_argument("--follow", "-f", action="store_true")
+    p = sub.add_parser("stacks", help="print every rank's current Python stack (a running run)")
+    p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
+    p.add_argument("--native", action="store_true", help="add native frames (needs py-spy)")
+    p = sub.add_parser("debug", help="attach pdb to a rank stopped at its error (debug=True)")
+    p.add_argument("run", help="run id (or a unique prefix/suffix, or 'last')")
+    p.add_argument("--rank", type=int, required=True)
+    p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the rank")
     p = sub.add_parser("doctor", help="what this host has, and whether a launch works")
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
     from .backends.local import pool_cli
@@ -347,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
         planner = None
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
-                "pool": pool_cli.main}
+                "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug}
     try:
         if args.command == "plan" and planner is not None:
             return planner.main(args)

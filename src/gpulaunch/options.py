@@ -130,6 +130,15 @@ def _plan(value):
     return validate(value)
 
 
+def _flag(name: str, optional: bool = False):
+    def check(value):
+        if not isinstance(value, bool) and not (optional and value is None):
+            raise ConfigurationError(f"{name}={value!r}: use True or False"
+                                     + (" (None: automatic)" if optional else ""))
+        return value
+    return check
+
+
 def _tracking(value):
     from .tracking import settings
     cfg = settings.normalize(value)
@@ -266,6 +275,11 @@ class LaunchOptions:
         "so that the next call with the same settings runs on them at once: True (closed after "
         "15 idle minutes), a number of idle seconds, or False. gpulaunch.shutdown() releases "
         "them (README: iterate fast in a notebook).", check=_keep_alive)
+
+    panel: bool | None = setting(None, "the live run panel in Jupyter: None (on in a kernel "
+        "with ipywidgets; GPULAUNCH_PANEL=0: off), True or False.", check=_flag("panel", True))
+    debug: bool = setting(False, "on a rank's error, serve pdb there on loopback (`gpulaunch "
+        "debug RUN --rank N` attaches).", check=_flag("debug"), rank_env="GPULAUNCH_DEBUG")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

@@ -175,3 +175,29 @@ def shutdown() -> None:
     dist = _dist()
     if dist is not None:
         dist.destroy_process_group()
+
+
+def report(step: int | None = None, **metrics) -> None:
+    """Record metrics of this rank (``rt.report(step=i, loss=loss)``): the notebook panel
+    shows the latest value of each and plots rank 0's. Values are numbers (a one-element tensor
+    is read with ``.item()``). Appended as one JSON line to ``rank<r>.metrics.jsonl`` in the run
+    directory; outside a gpulaunch run it does nothing, so the function still runs on its own."""
+    run_dir = get_run_dir()
+    if not run_dir or not metrics:
+        return
+    import json
+    import time
+    rec = {"t": round(time.time(), 3)}
+    if step is not None:
+        rec["step"] = int(step)
+    for name, value in metrics.items():
+        if hasattr(value, "item"):
+            value = value.item()
+        if not isinstance(value, (int, float)) or isinstance(value, bool):
+            raise ConfigurationError(f"rt.report({name}=...): got a {type(value).__name__}; "
+                                     "report numbers (or one-element tensors)")
+        rec[name] = value
+    path = os.path.join(run_dir, f"attempt{get_restart_count()}",
+                        f"rank{get_global_rank()}.metrics.jsonl")
+    with open(path, "a") as f:        # one write per line: a reader never sees half a record
+        f.write(json.dumps(rec) + "\n")

@@ -5,6 +5,7 @@ one pipeline here, so no backend and no entry point names them.
                          if slow); return fields for the node agents, or None
     on_placed(spec)      Ray: the layout is known (placement done), no rank started yet
     on_start(run)        the backend started (``run.spec`` is the final layout)
+    on_poll(run)         the caller polled the run (often: keep it cheap, throttle yourself)
     on_end(run, state)   the run is over (any outcome); must not raise, must be bounded
 
 Fields returned by ``on_launch`` travel in the launch record's ``extensions[name]``; they must
@@ -54,6 +55,9 @@ class RunCallback:
     def on_start(self, run) -> None:
         pass
 
+    def on_poll(self, run) -> None:
+        pass
+
     def on_end(self, run, state: RunState) -> None:
         pass
 
@@ -95,6 +99,10 @@ class Callbacks:
     def on_start(self, run) -> None:
         for cb in self.items:
             self._guard(cb, "on_start", lambda cb=cb: cb.on_start(run))
+
+    def on_poll(self, run) -> None:
+        for cb in self.items:
+            self._guard(cb, "on_poll", lambda cb=cb: cb.on_poll(run))
 
     def on_end(self, run, state: RunState) -> None:
         if self._ended:

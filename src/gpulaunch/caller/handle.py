@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import threading
+import time
 
-from ..backends.base import poll_until_done
 from ..common import constants
 from ..common.records import RunState, StopReason
 from ..errors import LaunchError
@@ -59,7 +59,15 @@ class RunHandle:
 
     def _poll(self, timeout: float | None = None) -> bool:
         interval = getattr(self._run, "poll_interval", constants.POLL_LOCAL_S)
-        return poll_until_done(self._run, interval, timeout)
+        hooks = getattr(self._run, "callbacks", None)      # their on_poll after each poll
+        end = None if timeout is None else time.monotonic() + timeout
+        while not self._run.poll():
+            if hooks is not None:
+                hooks.on_poll(self._run)
+            if end is not None and time.monotonic() > end:
+                return False
+            self._run.pause(interval)
+        return True
 
     @property
     def status(self) -> RunState:
@@ -72,6 +80,13 @@ class RunHandle:
         cb = self._run.callbacks.find("tracking") if getattr(self._run, "callbacks", None) \
             else None
         return cb.run_id() if cb is not None else None
+
+    @property
+    def panel(self):
+        """The notebook panel's view of this run (None outside Jupyter or with panel=False)."""
+        cb = self._run.callbacks.find("panel") if getattr(self._run, "callbacks", None) \
+            else None
+        return cb.view if cb is not None else None
 
     def done(self) -> bool:
         return self._run.finished
@@ -108,6 +123,14 @@ class RunHandle:
     def cancel(self) -> None:
         """Stop every rank now (SIGTERM, then SIGKILL after the grace period)."""
         self._run.stop(StopReason.CANCELLED)
+
+    def stacks(self, native: bool | None = None):
+        """Every rank's current Python stack (rank -> text; ``print()`` it for the report in
+        the ``HangError`` layout), for a run that is going; ``native``: add py-spy's native
+        frames (default: when py-spy is installed)."""
+        from .stacks import collect_stacks
+        return collect_stacks(self._run.run, self._run.spec.world_size, native=native,
+                              dump=getattr(self._run, "dump_stacks", None))
 
     def logs(self, rank: int | None = None, lines: int | None = None) -> str:
         """The log of one rank, or of every rank (prefixed), from the latest attempt."""

@@ -30,10 +30,12 @@ BACKENDS = ("local", "ray", "ray_program")
 
 
 def default_callbacks(options: LaunchOptions) -> list[RunCallback]:
-    """The side concerns every launch gets: MLflow tracking when it is on."""
+    """The side concerns every launch gets: MLflow tracking when it is on, the notebook
+    panel inside a Jupyter kernel."""
+    from ..notebook.callback import panel_callback
     from ..tracking.callback import tracking_callback
-    cb = tracking_callback(options.tracking)
-    return [cb] if cb is not None else []
+    cbs = [tracking_callback(options.tracking), panel_callback(options.panel)]
+    return [cb for cb in cbs if cb is not None]
 
 
 def _refuse_nested(label: str) -> None:

@@ -246,8 +246,10 @@ def main(argv: list[str]) -> None:
         caught = time.time()      # stamped before the slow work (traceback, memory, pickling)
         tb = _user_traceback(e)
         sys.stderr.write(tb)
-        record = exception_record(e, rank=rank, host=host, tb=tb, time=caught,
-                                  extra=_cuda_memory_report(e),
+        from . import debugger, postmortem
+        local_vars = postmortem.save(e, run.rank_file(attempt, rank, "locals.json"))
+        extra = "\n".join(x for x in (_cuda_memory_report(e), local_vars) if x)
+        record = exception_record(e, rank=rank, host=host, tb=tb, time=caught, extra=extra,
                                   collateral=any(p in _safe_str(e) for p in COLLATERAL_PATTERNS))
         if not isinstance(e, Exception):
             # KeyboardInterrupt, GeneratorExit...: the RANK's, never re-raised in the caller as
@@ -256,6 +258,9 @@ def main(argv: list[str]) -> None:
             record = dataclasses.replace(record, exception=None)
         _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
         _write_elastic_error_file(e, tb)
+        if debugger.enabled():    # the rank stays alive (its error recorded) while debugged
+            debugger.serve(e.__traceback__, run.rank_file(attempt, rank, "debug.json"),
+                           rank=rank, attach_hint=f"gpulaunch debug {run.run_id} --rank {rank}")
         _finish(1)
         return
     finally:

@@ -215,6 +215,14 @@ class RayRun:
             calls.wait(self.conn.ray, refs, num_returns=len(refs),
                        timeout=constants.RAY_STACKS_TIMEOUT_S)
 
+    def dump_stacks(self) -> None:
+        """Stacks on demand (``handle.stacks()``): every live node's ranks write their Python
+        stacks now; the files reach this run directory with the next polls."""
+        refs = [calls.call(n.actor.dump_stacks) for n in self.nodes if not n.done]
+        if refs:
+            calls.wait(self.conn.ray, refs, num_returns=len(refs),
+                       timeout=constants.RAY_STACKS_TIMEOUT_S)
+
     # ------------------------------------------------------------------ ending
     def _finish(self, reason: StopReason | None) -> None:
         self.reason = self.reason or reason
