@@ -25,7 +25,9 @@ LAYERS = {
     "common": {"hardware"},
     "hardware": set(),
     "options": {"common", "hardware", "caller.fitcheck", "tracking.settings",
-                "backends.ray.cluster"},         # value checks delegated to their owners
+                "backends.ray.cluster", "option_checks"},   # value checks delegated to owners
+    "option_checks": {"common", "hardware", "caller.fitcheck", "tracking.settings",
+                      "backends.ray.cluster"},
     "rank": {"common"},
     "runtime": {"common", "rank"},
     "planner": {"hardware"},

@@ -18,170 +18,17 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import math
-import numbers
 from typing import Any, Callable
 
+from . import option_checks as checks
 from .caller.fitcheck import parse_plan
 from .common import constants
-from .errors import ConfigurationError, GPUValidationError
+from .errors import ConfigurationError
 
-LOG_MODES = ("all", "rank0", "none")
 # The seed's positional order: distributed(num_accelerators, accelerator_type, remote, timeout).
 POSITIONAL = ("gpus", "gpu_type", "remote", "timeout")
 # The seed's newer spellings of two settings.
 ALIASES = {"num_accelerators": "gpus", "accelerator_type": "gpu_type"}
-
-
-# --------------------------------------------------------------------------- value checks
-def check_count(value, name: str = "gpus") -> int | None:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise GPUValidationError(f"{name} must be a positive int (or None for every GPU here), "
-                                 f"got {value!r} of type {type(value).__name__}.")
-    if value < 1:
-        raise GPUValidationError(f"{name} must be at least 1, got {value}. Use {name}=None to "
-                                 "use every GPU on this host.")
-    return int(value)
-
-
-def _seconds(name: str, allow_none: bool = True) -> Callable:
-    def check(value):
-        if value is None and allow_none:
-            return None
-        if isinstance(value, bool) or not isinstance(value, numbers.Real) \
-                or not math.isfinite(value) or value <= 0:
-            raise ConfigurationError(f"{name} must be a positive number of seconds"
-                                     f"{' or None' if allow_none else ''}, got {value!r}.")
-        return float(value)
-    return check
-
-
-def _restarts(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        raise ConfigurationError(f"max_restarts must be an int >= 0, got {value!r}.")
-    return int(value)
-
-
-def _flag(name: str) -> Callable:
-    def check(value):
-        if not isinstance(value, bool):
-            raise ConfigurationError(f"{name} must be True or False, got {value!r}.")
-        return value
-    return check
-
-
-def normalize_stream_logs(value) -> str | tuple[int, ...]:
-    if value is True:
-        return "all"
-    if value is False or value is None:
-        return "none"
-    if isinstance(value, str):
-        v = value.strip().lower()
-        if v in ("0", "rank0", "rank 0"):
-            return "rank0"
-        if v in LOG_MODES:
-            return v
-        if v and all(p.strip().isdigit() for p in v.split(",")):
-            return tuple(sorted(int(p) for p in v.split(",")))
-    if isinstance(value, numbers.Integral) and not isinstance(value, bool):
-        return (int(value),)
-    if isinstance(value, (list, tuple, set, frozenset)) and all(
-            isinstance(r, numbers.Integral) and not isinstance(r, bool) for r in value):
-        return tuple(sorted(int(r) for r in value))
-    raise ConfigurationError(f"stream_logs must be 'all', 'rank0', 'none', True/False, a rank or "
-                             f"a list of ranks (CLI: 0,2); got {value!r}.")
-
-
-def _env(value) -> tuple[tuple[str, str], ...]:
-    if not value:
-        return ()
-    items = value.items() if isinstance(value, dict) else value
-    try:
-        pairs = tuple(sorted((k, v) for k, v in items))
-    except (TypeError, ValueError):
-        pairs = None
-    if pairs is None or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
-        raise ConfigurationError("env must be a dict of str -> str (environment variables for "
-                                 f"the ranks); got {value!r}.")
-    return pairs
-
-
-def _max_arg_bytes(value) -> int:
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ConfigurationError(f"max_arg_bytes must be a positive int, got {value!r}.")
-    return int(value)
-
-
-def _keep_alive(value) -> float | bool:   # False | True (the default idle limit) | idle s
-    if value is None or value is False:
-        return False
-    if value is True:
-        return constants.DEFAULT_KEEP_ALIVE_S
-    if isinstance(value, numbers.Real) and math.isfinite(value) and value > 0:
-        return float(value)
-    raise ConfigurationError(f"keep_alive must be True, False or a positive number of idle "
-                             f"seconds, got {value!r}.")
-
-
-def _plan(value):
-    from .caller.fitcheck import validate
-    return validate(value)
-
-
-def _flag(name: str, optional: bool = False):
-    def check(value):
-        if not isinstance(value, bool) and not (optional and value is None):
-            raise ConfigurationError(f"{name}={value!r}: use True or False"
-                                     + (" (None: automatic)" if optional else ""))
-        return value
-    return check
-
-
-def _tracking(value):
-    from .tracking import settings
-    cfg = settings.normalize(value)
-    if cfg.enabled:
-        settings.enabled(cfg)        # tracking=True without mlflow: say so now, not at launch
-    return cfg
-
-
-def _cluster(value):
-    if value is None:
-        return None
-    from .backends.ray.cluster import RayCluster
-    return RayCluster.coerce(value)
-
-
-def _gpu_type(value):
-    if value is None:
-        return None
-    from .hardware.catalog import AcceleratorType, GPUType
-    if isinstance(value, (GPUType, AcceleratorType)):
-        return value
-    if isinstance(value, str) and value.strip().lower().startswith("gpu_"):
-        return AcceleratorType.parse(value)
-    return GPUType.parse(value)
-
-
-# --------------------------------------------------------------------------- CLI parsers
-def _cli_seconds(text: str) -> float | None:
-    return None if text.strip().lower() in ("none", "0", "inf", "") else float(text)
-
-
-def _cli_count(text: str) -> int | None:
-    return None if text.strip().lower() in ("auto", "gpu", "all", "none") else int(text)
-
-
-def _cli_env(items: list[str]) -> dict[str, str]:
-    out = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key:
-            raise ConfigurationError(f"--env takes KEY=VALUE, got {item!r}")
-        out[key] = value
-    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,75 +58,75 @@ class LaunchOptions:
     gpus: int | None = setting(
         None, "ranks on this host (None: every GPU here; 2 CPU workers on a host without GPUs); "
         "with remote=True, the total over the cluster's nodes. Alias: num_accelerators.",
-        check=check_count,
-        cli=Cli(("--gpus", "--nproc-per-node", "--nproc_per_node"), _cli_count,
+        check=checks.check_count,
+        cli=Cli(("--gpus", "--nproc-per-node", "--nproc_per_node"), checks.cli_count,
                 {"metavar": "N"}))
     gpu_type: Any = setting(
         None, "refuse to run unless the host has this GPU ('H100', 'h200', GPUType.A100, or "
         "'GPU_8xH100', which also sets the count). Alias: accelerator_type.",
-        check=_gpu_type, cli=Cli(("--gpu-type",), str, {"metavar": "TYPE"}))
+        check=checks.gpu_type, cli=Cli(("--gpu-type",), str, {"metavar": "TYPE"}))
     remote: bool = setting(
         False, "run on a Ray cluster (gpulaunch[ray]) instead of this host; gpus= is then the "
-        "total over the cluster (docs/multi-node.md).", check=_flag("remote"))
+        "total over the cluster (docs/multi-node.md).", check=checks.flag("remote"))
     cluster: Any = setting(
         None, "which Ray cluster: an address ('auto', 'head:6379', 'ray://...', 'local') or "
         "gpulaunch.RayCluster(...); implies remote=True. Default: $GPULAUNCH_RAY_ADDRESS, "
-        "$RAY_ADDRESS, else 'auto'.", check=_cluster)
+        "$RAY_ADDRESS, else 'auto'.", check=checks.cluster)
     timeout: float | None = setting(
         constants.DEFAULT_TIMEOUT_S, "seconds before every rank is stopped and RunTimeoutError "
-        "raised (None: no limit).", check=_seconds("timeout"),
-        cli=Cli(("--timeout",), _cli_seconds, {"metavar": "S"}))
+        "raised (None: no limit).", check=checks.seconds("timeout"),
+        cli=Cli(("--timeout",), checks.cli_seconds, {"metavar": "S"}))
     hang_timeout: float | None = setting(
         None, "seconds a rank may stay on the same line before the run is declared hung and "
         "every rank's stack reported (HangError). Off by default.",
-        check=_seconds("hang_timeout"), rank_env="GPULAUNCH_HANG_TIMEOUT",
-        cli=Cli(("--hang-timeout",), _cli_seconds, {"metavar": "S"}))
+        check=checks.seconds("hang_timeout"), rank_env="GPULAUNCH_HANG_TIMEOUT",
+        cli=Cli(("--hang-timeout",), checks.cli_seconds, {"metavar": "S"}))
     max_restarts: int = setting(
-        0, "restart the whole group this many times after a failure.", check=_restarts,
+        0, "restart the whole group this many times after a failure.", check=checks.restarts,
         cli=Cli(("--max-restarts", "--max_restarts"), int, {"metavar": "N"}))
     shutdown_grace: float = setting(
         constants.DEFAULT_SHUTDOWN_GRACE_S, "seconds between SIGTERM and SIGKILL when ranks are "
-        "stopped.", check=_seconds("shutdown_grace", allow_none=False),
+        "stopped.", check=checks.seconds("shutdown_grace", allow_none=False),
         cli=Cli(("--shutdown-grace",), float, {"metavar": "S"}))
     start_timeout: float = setting(
         constants.DEFAULT_START_TIMEOUT_S, "seconds the backend may take to start the ranks "
         "(node agents up, torch imported, placement on a Ray cluster) before the launch fails.",
-        check=_seconds("start_timeout", allow_none=False),
+        check=checks.seconds("start_timeout", allow_none=False),
         cli=Cli(("--start-timeout",), float, {"metavar": "S"}))
     node_lost_timeout: float = setting(
         constants.DEFAULT_NODE_LOST_TIMEOUT_S, "multi-node: seconds a node's agent may stay "
         "silent before the node is declared lost and the job stopped.",
-        check=_seconds("node_lost_timeout", allow_none=False),
+        check=checks.seconds("node_lost_timeout", allow_none=False),
         cli=Cli(("--node-lost-timeout",), float, {"metavar": "S"}))
     stream_logs: Any = setting(
         "all", "which ranks' output the caller prints: 'all', 'rank0', 'none', or a list of "
-        "ranks.", check=normalize_stream_logs,
+        "ranks.", check=checks.normalize_stream_logs,
         cli=Cli(("--logs",), str, {"metavar": "WHICH"}))
     env: tuple[tuple[str, str], ...] = setting(
-        (), "extra environment variables for the ranks (a dict).", check=_env,
-        cli=Cli(("--env",), _cli_env, {"action": "append", "metavar": "KEY=VALUE"}))
+        (), "extra environment variables for the ranks (a dict).", check=checks.env,
+        cli=Cli(("--env",), checks.cli_env, {"action": "append", "metavar": "KEY=VALUE"}))
     max_arg_bytes: int = setting(
         constants.DEFAULT_MAX_ARG_BYTES, "largest pickled function or argument accepted "
-        "(load larger data inside the function).", check=_max_arg_bytes)
+        "(load larger data inside the function).", check=checks.max_arg_bytes)
     plan: dict | None = setting(
         None, "check GPU memory before launching: {'model': 'llama-3.1-8b', 'strategy': "
         "'fsdp', 'seq_len': 4096, ...} (any gpulaunch.planner.plan() argument); a strategy that "
         "would not fit is refused with what would (WontFitError); 'on_fail': 'warn' only warns.",
-        check=_plan, cli=Cli(("--plan",), parse_plan, {"metavar": "KEY=VALUE,..."}))
+        check=checks.plan, cli=Cli(("--plan",), parse_plan, {"metavar": "KEY=VALUE,..."}))
     tracking: Any = setting(
         None, "the MLflow run of each call: None (on when mlflow is installed; "
         "GPULAUNCH_TRACKING=0 turns it off), False, True (required), an experiment name, or "
-        "gpulaunch.tracking.Tracking(...).", check=_tracking)
+        "gpulaunch.tracking.Tracking(...).", check=checks.tracking)
     keep_alive: Any = setting(
         False, "keep the ranks (process group, CUDA context, NCCL, rt.state) alive after a call "
         "so that the next call with the same settings runs on them at once: True (closed after "
         "15 idle minutes), a number of idle seconds, or False. gpulaunch.shutdown() releases "
-        "them (README: iterate fast in a notebook).", check=_keep_alive)
+        "them (README: iterate fast in a notebook).", check=checks.keep_alive)
 
     panel: bool | None = setting(None, "the live run panel in Jupyter: None (on in a kernel "
-        "with ipywidgets; GPULAUNCH_PANEL=0: off), True or False.", check=_flag("panel", True))
+        "with ipywidgets; GPULAUNCH_PANEL=0: off), True or False.", check=checks.flag("panel", True))
     debug: bool = setting(False, "on a rank's error, serve pdb there on loopback (`gpulaunch "
-        "debug RUN --rank N` attaches).", check=_flag("debug"), rank_env="GPULAUNCH_DEBUG")
+        "debug RUN --rank N` attaches).", check=checks.flag("debug"), rank_env="GPULAUNCH_DEBUG")
 
     def __post_init__(self):
         for f in dataclasses.fields(self):
