@@ -164,13 +164,16 @@ def test_failing_script_run_is_failed_with_logs(tracked, gpulaunch_home, tmp_pat
     script = tmp_path / "fails.py"
     script.write_text(FAILING_SCRIPT)
     capsys.readouterr()
-    assert cli.main(["run", "--gpus", "2", "--run-name", "fails-on-1", str(script)]) == 1
+    assert cli.main(["run", "--gpus", "2", "--run-name", "fails-on-1", str(script),
+                     "--token", "tok-s3cr3t"]) == 1
     assert "rank 1 raised ValueError: rank 1 gives up" in capsys.readouterr().err
     run_dir = latest_run_dir(gpulaunch_home)
     run_id = _tracking_json(run_dir)["run_id"]
     run = tracked.get_run(run_id)
     assert run.info.status == "FAILED" and run.data.tags["gpulaunch.state"] == "FAILED"
     assert run.info.run_name == "fails-on-1" and run.data.params["gpulaunch.entry"] == "script"
+    assert run.data.tags["mlflow.source.name"].endswith("fails.py --token ***")  # masked (#17)
+    assert not [k for k, v in {**run.data.tags, **run.data.params}.items() if "s3cr3t" in v]
     arts = _artifacts(tracked, run_id)
     assert arts.get("logs/attempt0/rank0.log", 0) > 0 and arts.get("logs/attempt0/rank1.log", 0) > 0
     report = open(tracked.download_artifacts(run_id, "gpulaunch/error.txt")).read()

@@ -2,10 +2,10 @@
 processes, with the CUDA context, the NCCL communicator and ``rt.state`` (a CUDA model) of the
 first, and NCCL all_reduce works on it; ``gpulaunch.shutdown()`` gives the GPU memory back.
 
-The call times are recorded (gpu-records.json), not asserted against the targets: those are
-bench/launch_overhead.py's (``--device cuda --launchers api,api_warm,pool``). The one time
-check is structural: a warm call that did CUDA/NCCL start-up again would not be several times
-faster than the cold first call.
+The call times are recorded (gpu-records.json), never asserted: the targets are
+bench/launch_overhead.py's (``--device cuda --launchers api,api_warm,pool``). What is asserted
+is structural: when the warm call's function starts, the CUDA context and the process group of
+the first call are already there (no start-up was redone).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ def use_model():
     import torch
     import torch.distributed as dist
     t0 = time.time()
+    cuda_was_up, group_was_up = torch.cuda.is_initialized(), dist.is_initialized()
     dev = rt.init()                       # the group exists: binds the device, returns at once
     model = rt.state["model"]
     t = torch.full((1,), float(rt.get_global_rank() + 1), device=dev)
@@ -49,7 +50,8 @@ def use_model():
     out = model(torch.ones(4, 1024, device=dev)).sum().item()
     return {"pid": os.getpid(), "sum": t.item(), "model_out": out,
             "to_collective_in_rank_s": time.time() - t0, "device": str(dev),
-            "param_device": str(next(model.parameters()).device)}
+            "param_device": str(next(model.parameters()).device),
+            "cuda_was_up": cuda_was_up, "group_was_up": group_was_up}
 
 
 @pytest.mark.timeout(300)
@@ -70,13 +72,12 @@ def test_second_call_reuses_ranks_cuda_and_nccl(gpu, record):
         assert [r["sum"] for r in second] == [n * (n + 1) / 2] * n, "NCCL all_reduce is wrong"
         assert [r["param_device"] for r in second] == [f"cuda:{i}" for i in range(n)]
         assert len({round(r["model_out"], 3) for r in second}) == 1   # same seeded model
+        assert all(r["cuda_was_up"] and r["group_was_up"] for r in second), (
+            f"the warm call started without the first call's CUDA context / group: {second}")
     record(pool_cold_first_call_s=round(cold_s, 3),
            pool_warm_calls_s=[round(t, 3) for t in timings],
            pool_warm_in_rank_to_collective_s=[round(r["to_collective_in_rank_s"], 4)
                                                for r in second])
-    assert max(timings) < cold_s / 3, (
-        f"the warm calls ({timings}) were not much faster than the cold one ({cold_s:.2f} s): "
-        "they seem to redo the start-up")
     from gpulaunch.backends.local.pool import POOLS
     run_dir = POOLS.pool.dir.parent.parent / "runs"
     latest = max(run_dir.iterdir(), key=lambda p: p.stat().st_mtime)

@@ -13,7 +13,8 @@ DEFAULT_START_TIMEOUT_S = 180.0        # node agents up (they import torch), Ray
 DEFAULT_NODE_LOST_TIMEOUT_S = 30.0     # a node agent silent this long is lost
 DEFAULT_MAX_ARG_BYTES = 1 << 30        # 1 GiB: past this, load the data inside the function
 RESULT_WARN_BYTES = 256 << 20          # a rank's result over this: warn (GPULAUNCH_RESULT_WARN_BYTES)
-DEFAULT_KEEP_ALIVE_S = 900.0          # keep_alive=True: an idle pool closes after 15 min
+DEFAULT_KEEP_ALIVE_S = 900.0           # keep_alive=True: an idle pool closes after 15 min
+POOL_EXIT_WAIT_S = 5.0                 # a pool rank seen dying: wait this long for its exit code
 DEFAULT_CPU_WORKERS = 2                # gpus=None on a host without GPUs
 
 # ----------------------------------------------------------------- internal bounds

@@ -22,6 +22,7 @@ import threading
 import time
 from pathlib import Path
 
+from ..common import redact
 from ..common.records import RunState
 from ..common.rundir import RunDir, hostname, read_json, write_json_atomic
 from . import settings
@@ -201,7 +202,8 @@ class CallTracker:
 
     def _tags(self) -> dict[str, str]:
         kind = self.entry.kind
-        source = self.label if kind == "function" else " ".join(self.entry.argv)
+        source = (self.label if kind == "function"
+                  else " ".join(redact.mask_argv(self.entry.argv)))     # no --token values
         tags = {"gpulaunch.run_id": self.run.run_id, "gpulaunch.run_dir": str(self.run.path),
                 "gpulaunch.entry": kind, "mlflow.source.name": source[:500],
                 "mlflow.source.type": "LOCAL", "host": hostname()}

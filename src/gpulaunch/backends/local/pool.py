@@ -93,6 +93,9 @@ class PoolRegistry:
                 exited = pool.exited()
                 if pool.closed is not None:
                     self.last_end = pool.closed
+                elif pool.record_removed():
+                    pool.close("closed by `gpulaunch pool close`")
+                    self.last_end = "it was closed by `gpulaunch pool close`"
                 elif exited:
                     why = "; ".join(f"rank {r} {procutil.describe_exit(c)}"
                                     for r, c in sorted(exited.items()))
@@ -206,9 +209,6 @@ class PoolRun:
         self.record = dataclasses.replace(self.record, started=time.time())
         self.run.write_launch(self.record)
         env = child_env()
-        self.pool, self.warm = POOLS.acquire(self.spec, env)
-        self.pool.busy = True
-        self.pool.calls += 1
         with self._hook_output():
             self.hooks = NodeHooks(self.record, self.run, 0)
         call_env = {k: v for k, v in rank_env(env, self.spec, 0, 0, 0).items()
@@ -219,23 +219,38 @@ class PoolRun:
         call_env.update(dict(self.spec.env))
         call_env["GPULAUNCH_RUN_DIR"] = str(self.run.path)
         self.run.attempt_dir(0).mkdir(exist_ok=True)
+        if not self._send(env, call_env):
+            return self
         self._update(state=RunState.RUNNING, pids=self.pool.pids, started=time.time(),
                      warm_start=self.warm, start_method="pool",
                      start_method_reason=f"keep_alive pool {self.pool.pool_id}")
         if self.streamer:
             for r in range(self.spec.world_size):
                 self.streamer.watch(r, self.run.rank_file(0, r, "log"))
-        try:
-            self.pool.send({"run_dir": str(self.run.path), "seq": self.pool.calls,
-                            "env": call_env, "cwd": self.pool.key.cwd})
-        except OSError as e:  # a rank died between the check and the send
-            self._end(RunState.FAILED, {}, teardown=f"a rank's pipe closed ({e})")
-            return self
         with self._hook_output():
             self.hooks.on_ranks_started()
         if self.spec.timeout is not None:
             self._deadline = time.monotonic() + self.spec.timeout
         return self
+
+    def _send(self, env: dict[str, str], call_env: dict[str, str]) -> bool:
+        """Hand the call to the pool's ranks. A warm pool whose ranks died since the last look
+        (between ``acquire``'s check and the write) is torn down and the call goes to a cold
+        one, once; a cold pool that cannot take it fails the call."""
+        while True:
+            self.pool, self.warm = POOLS.acquire(self.spec, env)
+            self.pool.busy = True
+            self.pool.calls += 1
+            try:
+                self.pool.send({"run_dir": str(self.run.path), "seq": self.pool.calls,
+                                "env": call_env, "cwd": self.pool.key.cwd})
+                return True
+            except OSError as e:
+                why = f"a rank's request pipe closed ({e})"
+                if not self.warm:
+                    self._end(RunState.FAILED, {}, teardown=why)
+                    return False
+                POOLS.teardown(self.pool, f"{why} while it was idle")
 
     @contextlib.contextmanager
     def _hook_output(self):

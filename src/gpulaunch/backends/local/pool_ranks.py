@@ -215,8 +215,27 @@ class RankPool:
                 view = view[os.write(proc.stdin.fileno(), view):]
 
     def exited(self) -> dict[int, int]:
-        """Ranks whose process has ended: rank -> exit code."""
-        return {r: p.returncode for r, p in enumerate(self.procs) if p.poll() is not None}
+        """Ranks whose process has ended or is ending: rank -> exit code.
+
+        A rank whose main thread already shows as a zombie counts as ended, and we wait (a few
+        seconds at most) for its exit code: Linux shows the thread-group leader as a zombie
+        while its other threads (torch's, gloo's) are still being torn down, and ``waitpid``
+        answers only once the last one is gone. Without the wait, a pool just closed by
+        ``gpulaunch pool close`` looks alive for a moment and the next call would run on it."""
+        out = {}
+        for r, p in enumerate(self.procs):
+            if p.poll() is None and not procutil.pid_alive(p.pid):
+                try:
+                    p.wait(constants.POOL_EXIT_WAIT_S)
+                except subprocess.TimeoutExpired:
+                    pass
+            if p.returncode is not None:
+                out[r] = p.returncode
+        return out
+
+    def record_removed(self) -> bool:
+        """``gpulaunch pool close`` (another process) ended our ranks and removed our record."""
+        return not (self.dir / "pool.json").exists()
 
     def replies_wait(self, timeout: float) -> None:
         """Sleep up to ``timeout`` s, waking as soon as a rank writes (or exits: EOF)."""
