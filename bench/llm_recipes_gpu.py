@@ -78,9 +78,13 @@ def plan(phase: int, smoke: bool) -> list[list[Run]]:
     the H200 from the 2026-12 runs (start-up ~20-25 s a process), used only to skip a group
     that would not finish inside the budget."""
     s = smoke
-    one_b = _shape(s, "llama-3.2-1b", 2048, 4, 1, 16, "--measure-after", "4",
-                   "--eval-batches", "1", "--no-gradient-checkpointing", "--lr", "2e-4",
-                   "--warmup-steps", "2")
+    # LLM_PARITY_STEPS: longer parity runs (the default 16 steps measure ~3 s of training on an
+    # H200: the 2026-12-04 run's repeats under one launcher differed by up to 12%)
+    steps = int(os.environ.get("LLM_PARITY_STEPS", "16"))
+    one_b = _shape(s, "llama-3.2-1b", 2048, 4, 1, steps, "--measure-after",
+                   str(max(4, steps // 8)), "--eval-batches", "1",
+                   "--no-gradient-checkpointing", "--lr", "2e-4", "--warmup-steps", "2")
+    est = 32 + max(0, steps - 16) * 0.6
     lora = ["--lora-r", "8", "--lora-alpha", "16", "--lora-dropout", "0"]
     fsdp_cpu = ["-x", "on_cpu=ddp"] if smoke else []
     nosave = ["-x", "save=false"]
@@ -90,12 +94,14 @@ def plan(phase: int, smoke: bool) -> list[list[Run]]:
             ("trl_sft_full_zero3", one_b + nosave, True),
             ("trl_sft_lora_fsdp", one_b + lora + nosave + fsdp_cpu, False)):
         # A B B A; with accelerate launch (C) once in the middle: A B C B A
+        with_accel = with_accel and not os.environ.get("LLM_PARITY_NO_ACCELERATE")
         order = ["A", "B", "C", "B", "A"] if with_accel else ["A", "B", "B", "A"]
         launchers = {"A": "gpulaunch", "B": "torchrun", "C": "accelerate"}
         # accelerate launch: the precision the recipe's DeepSpeed dict has (bf16 on a GPU)
         accel = ["--mixed_precision", "no" if smoke else "bf16"]
         parity.append([Run(f"parity_{recipe}_{i}{x}", recipe, args, launcher=launchers[x],
-                           limit_s=100, est_s=32, group=recipe, row=f"parity {launchers[x]}",
+                           limit_s=100 + 2 * est, est_s=est, group=recipe,
+                           row=f"parity {launchers[x]}",
                            launcher_args=accel if x == "C" else [])
                        for i, x in enumerate(order)])
     if phase == 1:
