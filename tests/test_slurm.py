@@ -23,11 +23,13 @@ from slurm_cluster import NotStartable, SlurmCluster
 pytestmark = pytest.mark.timeout(240)
 
 SCRIPT = textwrap.dedent("""
-    import os, socket, torch, torch.distributed as dist
+    import os, socket, time, torch, torch.distributed as dist
     dist.init_process_group("gloo")
     r = dist.get_rank()
     if os.environ.get("FAIL_RANK") == str(r):
         raise ValueError(f"boom on rank {r}")
+    if os.environ.get("FAIL_RANK"):
+        time.sleep(120)        # outside any collective: only gpulaunch can stop this rank
     t = torch.tensor([float(r + 1)])
     dist.all_reduce(t)
     e = os.environ
