@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import textwrap
 import time
 import uuid
@@ -74,15 +75,15 @@ def _gpulaunch() -> list[str]:
     return [str(entry)] if entry.exists() else [PY, "-m", "gpulaunch.cli"]
 
 
-def _job_state(slurm: SlurmCluster, name: str) -> tuple[str, str]:
-    """(job id, final state) of the job named ``name``, from slurmctld (it keeps finished jobs
-    for MinJobAge, 300 s). Right after srun returns the job may still be COMPLETING (its
-    epilog): wait for the end, bounded."""
+def _job_state(slurm: SlurmCluster, name: str, final: bool = True) -> tuple[str, str]:
+    """(job id, state) of the job named ``name``, from slurmctld (it keeps finished jobs for
+    MinJobAge, 300 s). ``final``: right after srun returns the job may still be COMPLETING
+    (its epilog): wait for its end state, bounded."""
     deadline = time.monotonic() + 60
     while True:
         out = slurm.cmd(["squeue", "-h", "-t", "all", "-n", name, "-o", "%i %T"]).stdout.split()
         assert len(out) == 2, f"squeue found no single job named {name}: {out}"
-        if out[1] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") or \
+        if not final or out[1] not in ("PENDING", "CONFIGURING", "RUNNING", "COMPLETING") or \
                 time.monotonic() > deadline:
             return out[0], out[1]
         time.sleep(0.2)
@@ -155,4 +156,48 @@ def test_sbatch_wait_batch_script_with_srun(slurm, tmp_path, gpulaunch_home):
         f"[rank {r}] rank {r} world 2 sum 3.0 job {job} run_id gpulaunch-{job} "
         f"host {slurm.host}" for r in (0, 1)], text
     assert_no_survivors(latest_run_dir(gpulaunch_home))
+    assert slurm.leftovers_of(step) == []
+
+
+def test_scancel_of_a_running_step_stops_every_rank(slurm, tmp_path, gpulaunch_home):
+    """What a cluster does on a time limit or preemption: slurmstepd sends SIGTERM to the
+    step's processes. gpulaunch's agent records the stop and nothing of the run survives."""
+    from gpulaunch.common.rundir import RunDir
+    ready = tmp_path / "ready"
+    ready.mkdir()
+    script = tmp_path / "sleeps.py"
+    script.write_text(textwrap.dedent("""
+        import os, time, torch.distributed as dist
+        dist.init_process_group("gloo")
+        open(os.path.join(os.environ["READY_DIR"], f"rank{dist.get_rank()}"), "w").close()
+        time.sleep(120)
+    """))
+    name = f"gl-{uuid.uuid4().hex[:8]}"
+    step = uuid.uuid4().hex
+    env = _job_env(slurm, READY_DIR=str(ready), GPULAUNCH_SLURM_STEP=step)
+    p = subprocess.Popen(["srun", "-N1", "-n1", "-J", name, *_gpulaunch(), "run", "--gpus",
+                          "2", "--no-tracking", str(script)], env=env, cwd=tmp_path,
+                         stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         stdin=subprocess.DEVNULL, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(ready.iterdir())) < 2:
+            assert p.poll() is None, p.communicate()[0]
+            assert time.monotonic() < deadline, "the ranks never came up"
+            time.sleep(0.2)
+        job, state = _job_state(slurm, name, final=False)
+        assert state == "RUNNING"
+        slurm.cmd(["scancel", job], check=True)
+        out, _ = p.communicate(timeout=90)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert p.returncode != 0, out
+    assert f"STEP {job}.0 ON {slurm.host} CANCELLED" in out, out
+    assert _job_state(slurm, name) == (job, "CANCELLED")
+    run_dir = latest_run_dir(gpulaunch_home)
+    status = RunDir(run_dir).status()
+    assert status.state.terminal and status.state != "SUCCEEDED", status
+    assert_no_survivors(run_dir)
     assert slurm.leftovers_of(step) == []
