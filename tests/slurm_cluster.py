@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "scancel")
+BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "sinfo", "squeue", "scancel")
 MARKER = "GPULAUNCH_SLURM_TEST"
 START_TIMEOUT_S = 60.0      # under load (2 shared cores) registration can take a while
 
