@@ -77,6 +77,16 @@ def test_slurm_inside_srun():
     assert detect({**SLURM, "MASTER_PORT": "6000"}).master_port == 6000
 
 
+def test_slurm_one_node_step_keeps_the_job_id():
+    # srun -N1: one node, but the job id still names the rendezvous (cli.py records it).
+    one = {**SLURM, "SLURM_NNODES": "1", "SLURM_NODEID": "0", "SLURM_NTASKS": "1",
+           "SLURM_JOB_NODELIST": "gpu07"}
+    c = detect(one)
+    assert (c.multi_node, c.rdzv_id) == (False, "4242") and "Slurm" in c.source
+    assert (detect({}).rdzv_id, detect({}).source) == ("none", "single node")
+    assert (detect({}, rdzv_id="j1").rdzv_id, detect({}, rdzv_id="j1").source) == ("j1", "flags")
+
+
 def test_slurm_batch_script_without_srun_is_one_node():
     # The batch step (no SLURM_STEP_ID) runs on the first node only: it is not a node of a
     # multi-node launch, or node 0 would wait forever for the others.

@@ -71,7 +71,13 @@ def _placement(args):
                            master_addr=args.master_addr, master_port=args.master_port,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
     if not c.multi_node:
-        return None
+        if c.rdzv_id == "none":
+            return None
+        # One node that still has a job id (srun -N1, --rdzv-id): the ranks rendezvous on this
+        # host's loopback as usual, under the job's id (launch.json, TORCHELASTIC_RUN_ID).
+        print(f"gpulaunch: one node, rendezvous id {c.rdzv_id!r} (from {c.source}); ranks "
+              "rendezvous on this host", file=sys.stderr)
+        return NodePlacement(rdzv_id=f"gpulaunch-{c.rdzv_id}")
     local_ip = netroute.local_ip_towards(c.master_addr, c.master_port)
     bind = args.listen_addr or local_ip
     ifname = netroute.interface_of(local_ip)

@@ -172,7 +172,7 @@ def _from_flags(n, node_rank, master_addr, master_port, endpoint, rdzv_id, sourc
                                      f"{endpoint} name different ports; give one of them")
         master_addr, master_port = host, port
     if n == 1:
-        return ClusterEnv(rdzv_id=rdzv_id or "none")
+        return ClusterEnv(rdzv_id=rdzv_id or "none", source=source if rdzv_id else "single node")
     if node_rank is None:
         raise ConfigurationError(f"--nnodes {n} needs --node-rank (0 to {n - 1}) on each node")
     if not master_addr:
