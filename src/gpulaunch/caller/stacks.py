@@ -30,6 +30,7 @@ from .collect import annotate_stack
 
 DUMP_SETTLE_S = 0.25     # faulthandler writes a dump in pieces; a quiet file is a whole dump
 DUMP_TIMEOUT_S = 5.0
+REMOTE_DUMP_TIMEOUT_S = 15.0   # a Ray job: the node agents dump, the mirror brings the files
 PY_SPY_TIMEOUT_S = 10.0
 
 
@@ -57,7 +58,9 @@ def _rank_state(run: RunDir, attempt: int, rank: int, any_host: bool = False) ->
         return "(already failed: see its error)"
     info = run.rank_info(attempt, rank)
     if info is None:
-        return "(not started yet)"
+        # On another host the rank's info.json reaches us with the run's next polls, after the
+        # rank started: its node's agent, which holds the rank, decides (and may still dump).
+        return None if any_host else "(not started yet)"
     if info.host != hostname():
         return None if any_host else f"(on host {info.host}: ask that node's agent)"
     if not procutil.pid_alive(info.pid):
@@ -73,6 +76,10 @@ def collect_stacks(run: RunDir, world_size: int, *, native: bool | None = None,
     its files then arrive through the run's polling); default: signal this host's ranks."""
     record = run.launch()
     attempts = run.attempts()
+    if not attempts and dump is not None:
+        # a Ray job's attempt folders reach this run directory with the run's polls, some
+        # seconds after its ranks started: wait for them (bounded)
+        attempts = _wait_for_attempts(run, REMOTE_DUMP_TIMEOUT_S)
     out = RankStacks()
     if not attempts:
         return RankStacks({r: "(not started yet)" for r in range(world_size)})
@@ -86,20 +93,36 @@ def collect_stacks(run: RunDir, world_size: int, *, native: bool | None = None,
             out[r] = why
             continue
         path = run.rank_file(attempt, r, "stacks")
-        asked[r] = (run.rank_info(attempt, r).pid, _size(path))
+        info = run.rank_info(attempt, r)
+        asked[r] = (info.pid if info else None, _size(path))
     if dump is not None:
         dump()
+        # the dumps travel with the mirror's polls: allow for a loaded caller
+        timeout = max(timeout, REMOTE_DUMP_TIMEOUT_S)
     else:
         procutil.kill_pids([pid for pid, _ in asked.values()], signal.SIGUSR1)
     texts = _read_new(run, attempt, asked, timeout)
     use_spy = native if native is not None else shutil.which("py-spy") is not None
     for r, (pid, _) in asked.items():
         text = texts.get(r, "").strip()
-        stack = annotate_stack(text) if text else "(no stack: the rank did not answer)"
-        if use_spy and run.rank_info(attempt, r).host == hostname():
+        info = run.rank_info(attempt, r)
+        if text:
+            stack = annotate_stack(text)
+        elif info is None:
+            stack = "(not started yet)"
+        else:
+            stack = "(no stack: the rank did not answer)"
+        if use_spy and info is not None and info.host == hostname():
             stack += "\n" + _py_spy(pid)
         out[r] = stack
     return RankStacks(sorted(out.items()))
+
+
+def _wait_for_attempts(run: RunDir, timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while not run.attempts() and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return run.attempts()
 
 
 def _size(path) -> int:
