@@ -240,6 +240,24 @@ def test_the_cli_lists_and_closes_a_pool():
     assert set(pids_of(again)).isdisjoint(first)
 
 
+def test_doctor_and_pool_list_show_the_live_pool(capsys):
+    from gpulaunch import cli
+    pids = pids_of(use.distributed())
+    pool_id = POOLS.pool.pool_id
+    capsys.readouterr()
+    assert cli.main(["doctor"]) == 0
+    doctor = capsys.readouterr().out
+    line = next(x for x in doctor.splitlines() if pool_id in x)
+    assert "2 x cpu" in line and f"caller {os.getpid()}" in line and "calls 1" in line, doctor
+    assert "warm pools  1" in doctor
+    assert cli.main(["pool", "list"]) == 0
+    listed = capsys.readouterr().out
+    assert pool_id in listed and f"ranks {pids[0]},{pids[1]}" in listed, listed
+    gpulaunch.shutdown()
+    assert cli.main(["doctor"]) == 0
+    assert "warm pools  none" in capsys.readouterr().out
+
+
 def test_the_callers_sigkill_leaves_no_process(tmp_path):
     code = textwrap.dedent("""
         import os, sys, time

@@ -318,6 +318,12 @@ def cmd_doctor(args) -> int:
     from .backends.local import standby
     print(f"standby     {'on' if standby.enabled() else 'off'}: the Python API starts the next "
           f"call's agent ahead, torch imported ({standby.ENV_SWITCH}=0 turns it off)")
+    from .backends.local import pool_cli
+    pools = pool_cli.lines()
+    print(f"warm pools  {len(pools) or 'none'}" + ("  (gpulaunch pool list / close)" if pools
+                                                     else " (keep_alive=)"))
+    for line in pools:
+        print(f"  {line}")
     for var in ("CUDA_VISIBLE_DEVICES", "NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME", "NCCL_P2P_DISABLE",
                 "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT"):
         if var in os.environ:

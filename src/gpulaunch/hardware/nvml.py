@@ -104,3 +104,23 @@ def readings(nv, handle) -> dict[str, float]:
         except Exception:  # noqa: BLE001
             pass
     return out
+
+
+def process_memory() -> dict[int, int]:
+    """Bytes of GPU memory each process holds, over every GPU (pid -> bytes), as NVML sees
+    it; {} without NVML or a driver. In a container NVML may report the host's pids, and then
+    nothing here matches a local pid: callers say "unknown", not 0."""
+    out: dict[int, int] = {}
+    with Session() as nv:
+        if nv is None:
+            return out
+        for i in range(nv.nvmlDeviceGetCount()):
+            try:
+                procs = nv.nvmlDeviceGetComputeRunningProcesses(nv.nvmlDeviceGetHandleByIndex(i))
+            except Exception:  # noqa: BLE001 - not supported on this GPU / driver
+                continue
+            for proc in procs:
+                used = getattr(proc, "usedGpuMemory", None)
+                if isinstance(used, int):
+                    out[proc.pid] = out.get(proc.pid, 0) + used
+    return out
