@@ -140,6 +140,11 @@ smi = run(["nvidia-smi", "--query-gpu=index,name,memory.total,driver_version",
            "--format=csv,noheader"])
 lines.append("GPUs: " + ("; ".join(smi.splitlines()) if smi else "none (nvidia-smi absent)"))
 commit = run(["git", "rev-parse", "--short", "HEAD"]) or "unknown (no .git here)"
+# A copied working tree (the device tool's) can sit on another commit's .git: say how far the
+# files are from that commit, so the line never passes a tree off as a commit it is not.
+changed = run(["git", "status", "--porcelain", "--untracked-files=no"])
+if changed:
+    commit += f" + {len(changed.splitlines())} changed tracked files (not that commit)"
 lines.append(f"gpulaunch checkout: {commit}")
 lines.append(f"carried wheels: {os.environ.get('GPU_SUITE_WHEELS')}")
 req = out / ".requirements.txt"
