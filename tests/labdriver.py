@@ -217,13 +217,14 @@ class Browser:
         return r["result"].get("value")
 
     def screenshot(self, selector: str, path: Path, margin: int = 4) -> Path:
-        """A PNG of the element ``selector`` (its bounding box plus ``margin``)."""
+        """A PNG of the element ``selector``: its bounding box plus ``margin`` above and on the
+        sides (not below, where the cell's next output starts)."""
         box = self.js(f"(() => {{ const e = document.querySelector({json.dumps(selector)});"
                       " e.scrollIntoView({block: 'start'}); const r = e.getBoundingClientRect();"
                       " return [r.x, r.y, r.width, r.height]; })()")
         x, y, w, h = box
         clip = {"x": max(0, x - margin), "y": max(0, y - margin), "width": w + 2 * margin,
-                "height": h + 2 * margin, "scale": 1}
+                "height": h + margin, "scale": 1}
         data = self.call("Page.captureScreenshot", format="png", clip=clip)["data"]
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(base64.b64decode(data))
