@@ -69,7 +69,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def __init__(self, spec, *, logs_specs, start_method: str, shutdown_grace: float,
                  before_start: Callable | None = None, on_started: Callable | None = None,
-                 on_restart: Callable | None = None):
+                 on_restart: Callable | None = None, first_attempt: int = 0):
         kw = {}
         if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
             kw["shutdown_timeout"] = max(1, int(round(shutdown_grace)))
@@ -79,7 +79,12 @@ class ElasticAgent(LocalElasticAgent):
         self.on_started = on_started
         self.on_restart = on_restart
         self._last_result = None
-        self._attempt = 0
+        self._attempt = first_attempt
+        if first_attempt:
+            # Attempt k of a job that its caller restarts (Ray): torchelastic numbers attempts
+            # max_restarts - remaining (TORCHELASTIC_RESTART_COUNT, attempt<k>/), so the ranks
+            # see k, and this agent, with spec.max_restarts == k, has no restart of its own.
+            self._remaining_restarts = max(0, spec.max_restarts - first_attempt)
 
     @property
     def attempt(self) -> int:

@@ -1,0 +1,91 @@
+"""Restarts of a whole Ray job (``max_restarts=N`` with ``remote=True``).
+
+A rank that fails, or a node that is lost, ends the job's current attempt on every node at
+once; the caller (``RayRun``) then starts the next attempt, until one succeeds or N restarts
+are spent. Data flow of one attempt k (the caller drives it; no node restarts on its own):
+
+    start   one ``NodeAgent`` actor per bundle of the job's placement group (kept from
+            attempt 0: same bundles, so the same nodes while they live), each given k:
+              - its node-local run directory is ``runs/<run id>`` (k = 0) or
+                ``runs/<run id>.attempt<k>``: fresh, whatever is left of the last attempt;
+              - its local agent runs with ``NodePlacement.first_attempt = k`` and
+                ``max_restarts = k``: torchelastic numbers the attempt k
+                (``TORCHELASTIC_RESTART_COUNT``, so ``rt.get_restart_count() == k`` on every
+                rank of every node) with no restart of its own left, and the ranks write into
+                ``attempt<k>/`` as on a single host;
+            node 0 opens a new rendezvous store (a new port); the others learn it: a fresh
+            rendezvous on every node.
+    follow  polls mirror ``attempt<k>/rank<r>.*`` into the caller's run directory (the layout
+            of a local run with restarts, read the same way by ``caller.collect``).
+    failed  a node reports FAILED (a rank's exit), a hang, or a node is lost (its actor died,
+            its machine left, it stopped answering): every node's ranks are stopped
+            (``stop``, SIGTERM then SIGKILL), their last files drained, and the attempt's root
+            cause, read from ``attempt<k>/`` (``attempt_cause``), is appended to the job's
+            history (``JobStatus.history`` in job.json: ``AttemptRecord(k, ended, failures,
+            cause)``). Then, if restarts are left: the attempt's actors are killed, the
+            placement group waited for (``wait_placement``: Ray re-reserves the bundle of a
+            node that is gone on another node, within ``RayCluster.placement_timeout``), and
+            attempt k + 1 starts. If none are left, the job ends: the caller raises attempt k's
+            error, naming every earlier attempt's root cause (``RunOutcome.history``).
+
+``timeout=`` covers the whole job, all attempts together.
+"""
+
+from __future__ import annotations
+
+import time
+
+from ...caller import collect
+from ...caller.outcome import root_cause
+from ...common.records import RankExit
+from ...common.rundir import RunDir
+from ...errors import LaunchError
+
+
+def attempt_exits(nodes) -> dict[int, RankExit]:
+    exits: dict[int, RankExit] = {}
+    for n in nodes:
+        exits.update(n.status.failures)
+    return exits
+
+
+def attempt_cause(run: RunDir, nodes, attempt: int, world_size: int,
+                  nproc_per_node: int) -> str:
+    """Attempt ``attempt``'s root cause in one line (its nodes stopped and drained)."""
+    hang = collect.hang_report(run, attempt, world_size)
+    if hang is not None:
+        where = (hang.where.strip().splitlines() or ["?"])[-1].strip()
+        return (f"hang: rank {hang.detected_by} made no progress for {hang.stuck_for:g} s "
+                f"(at {where})")
+    lost = next((n for n in nodes if n.lost_why is not None), None)
+    failures = collect.rank_failures(run, attempt, attempt_exits(nodes))
+    if failures:
+        root = root_cause(failures)
+        node = f" (node {root.rank // nproc_per_node})" if nproc_per_node else ""
+        if lost is None or root.priority < 2:
+            return root.summary() + node
+    if lost is not None:
+        return f"node {lost.node_rank} lost ({lost.describe(nproc_per_node)}): {lost.lost_why}"
+    broken = next((n for n in nodes if n.status.error), None)
+    if broken is not None:
+        return f"node {broken.node_rank}'s agent failed: {broken.status.error}"
+    return "the attempt failed, and no rank reported why"
+
+
+def wait_placement(ray, pg, timeout: float) -> float:
+    """Wait (bounded) until every bundle of the job's placement group is held again: after a
+    node is lost, Ray reserves its bundle on another node that can hold it."""
+    start = time.monotonic()
+    try:
+        ray.get(pg.ready(), timeout=timeout)
+    except Exception as e:  # noqa: BLE001 - GetTimeoutError, a removed group
+        raise LaunchError(
+            f"The job's placement could not be re-reserved within {timeout:g} s for the next "
+            f"attempt ({type(e).__name__}): a node it needs is gone and no other node can take "
+            "its place. Add a node, or raise RayCluster(placement_timeout=...).") from None
+    return time.monotonic() - start
+
+
+def announce(attempt: int, cause: str, max_restarts: int) -> str:
+    return (f"gpulaunch: attempt {attempt} failed ({cause}); stopping every node's ranks and "
+            f"restarting the job on every node (attempt {attempt + 1} of {max_restarts})\n")
