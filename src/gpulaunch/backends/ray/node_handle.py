@@ -102,9 +102,8 @@ def ray_error_text(e: BaseException) -> str:
     return f"{type(e).__name__}: {first[:300]}"
 
 
-def stop_all(ray, nodes: list[NodeHandle], run: RunDir, *, grace: float) -> None:
-    """Stop every node still running (all at once), then drain each one's last files (logs,
-    errors), every node's drain round in flight together. A node that does not answer within
+def stop_all(ray, nodes: list[NodeHandle], *, grace: float) -> None:
+    """Stop every node still running, all at once. A node that does not answer within
     ``grace`` while still running is lost."""
     live = [n for n in nodes if n.lost_why is None]
     stops = {n.node_rank: calls.call(n.actor.stop) for n in live}
@@ -114,8 +113,12 @@ def stop_all(ray, nodes: list[NodeHandle], run: RunDir, *, grace: float) -> None
         except (Exception, SystemExit) as e:
             if not n.done:                # it was still running and did not answer
                 n.mark_lost(ray_error_text(e))
+
+
+def drain_all(ray, nodes: list[NodeHandle], run: RunDir) -> None:
+    """After ``stop_all``: every node's last files, all nodes' drain rounds in flight together."""
     lost_before = any(n.lost_why is not None for n in nodes)
-    draining = [n for n in live if n.lost_why is None]
+    draining = [n for n in nodes if n.lost_why is None and not n.done]
     for _ in range(8):                    # after stop() every node's files are final
         if not draining:
             break

@@ -33,7 +33,7 @@ from . import calls, placement, restarts
 from .cluster import RayCluster, connect, has_local_paths
 from .connection import Connection
 from .node_agent import NodeAgent
-from .node_handle import NodeHandle, poll_all, stop_all
+from .node_handle import NodeHandle, drain_all, poll_all, stop_all
 
 
 class RayRun:
@@ -298,8 +298,11 @@ class RayRun:
 
     def _stop_nodes(self) -> None:
         """Stop every node still running, then collect its last files (logs, errors)."""
-        stop_all(self.conn.ray, self.nodes, self.run,
+        stop_all(self.conn.ray, self.nodes,
                  grace=self.spec.shutdown_grace + constants.RAY_STOP_EXTRA_S)
+        self._mark("nodes_stopped")
+        drain_all(self.conn.ray, self.nodes, self.run)
+        self._mark("drained")
 
     def _kill_actors(self) -> None:
         for n in self.nodes:
