@@ -87,6 +87,11 @@ def _load_error(path: Path) -> RankError | None:
     return RankError(**data) if isinstance(data, dict) else None
 
 
+def rank_error(run: RunDir, attempt: int, rank: int) -> RankError | None:
+    """The exception rank ``rank`` recorded in attempt ``attempt`` (its error.pkl), if any."""
+    return _load_error(run.rank_file(attempt, rank, "error.pkl"))
+
+
 def rank_failures(run: RunDir, attempt: int, exits: dict[int, RankExit]) -> tuple:
     out = []
     for rank, ex in sorted(exits.items()):

@@ -185,6 +185,10 @@ class NodeAgent:
             data = self.run.hang_json.read_bytes()
             if cursors.get("hang.json") != len(data):
                 files["hang.json"] = ("whole", len(data), data)
+        for p in self.run.path.glob("system_metrics.node*.json"):   # tracking's handoff
+            data = p.read_bytes()
+            if cursors.get(p.name) != len(data):
+                files[p.name] = ("whole", len(data), data)
         return {"node_rank": self.node_rank, "done": done, "status": status, "files": files,
                 "agent_exit": self.local.proc.poll() if self.local and self.local.proc else None,
                 "agent_tail": _tail(self.run.agent_log) if done else ""}

@@ -42,10 +42,54 @@ from ...common.rundir import RunDir
 from ...errors import LaunchError
 
 
-def attempt_exits(nodes) -> dict[int, RankExit]:
+class ErrorWatch:
+    """Rank error files as they reach the caller's mirror, read once each.
+
+    A rank that raised on its own account (not collateral: a peer's broken connection) has
+    failed the attempt the moment its error.pkl is written; its process, and its node's
+    agent, may take seconds more to end (the process group's teardown after a peer broke).
+    The caller stops every node then, instead of waiting for the nodes to end by themselves
+    (``bench/ray_fault_time.py``). Collateral errors alone do not: the root cause (a rank
+    killed without a Python exception) must first be recorded by its node's agent. With
+    ``debug=True`` a failed rank stays alive for ``gpulaunch debug``: never early there."""
+
+    def __init__(self, run: RunDir, *, enabled: bool):
+        self.run, self.enabled = run, enabled
+        self._read: dict[tuple[int, int], bool] = {}     # (attempt, rank) -> its own error
+
+    def scan(self, attempt: int) -> None:
+        adir = self.run.attempt_dir(attempt)
+        if not self.enabled or not adir.is_dir():
+            return
+        for p in adir.glob("rank*.error.pkl"):
+            rank = int(p.name[len("rank"):].split(".", 1)[0])
+            if (attempt, rank) not in self._read:
+                err = collect.rank_error(self.run, attempt, rank)
+                self._read[(attempt, rank)] = err is not None and not err.collateral
+
+    def own_failure(self, attempt: int) -> bool:
+        """A rank of ``attempt`` raised on its own account (its error file is here)."""
+        self.scan(attempt)
+        return any(own for (a, _), own in self._read.items() if a == attempt)
+
+    def raised(self, attempt: int) -> list[int]:
+        return sorted(r for (a, r) in self._read if a == attempt)
+
+
+def attempt_exits(run: RunDir, nodes, attempt: int) -> dict[int, RankExit]:
+    """The attempt's failed ranks: as their nodes' agents recorded them, plus every rank that
+    wrote an error file but was stopped by the caller before its agent recorded its exit."""
     exits: dict[int, RankExit] = {}
     for n in nodes:
         exits.update(n.status.failures)
+    adir = run.attempt_dir(attempt)
+    for p in sorted(adir.glob("rank*.error.pkl")) if adir.is_dir() else []:
+        rank = int(p.name[len("rank"):].split(".", 1)[0])
+        if rank not in exits:
+            err = collect.rank_error(run, attempt, rank)
+            code = err.exit_code if err is not None and err.exit_code is not None else 1
+            exits[rank] = RankExit(rank=rank, exitcode=code, timestamp=err.time if err else 0.0,
+                                   message="stopped by the caller after its error")
     return exits
 
 
@@ -58,7 +102,7 @@ def attempt_cause(run: RunDir, nodes, attempt: int, world_size: int,
         return (f"hang: rank {hang.detected_by} made no progress for {hang.stuck_for:g} s "
                 f"(at {where})")
     lost = next((n for n in nodes if n.lost_why is not None), None)
-    failures = collect.rank_failures(run, attempt, attempt_exits(nodes))
+    failures = collect.rank_failures(run, attempt, attempt_exits(run, nodes, attempt))
     if failures:
         root = root_cause(failures)
         node = f" (node {root.rank // nproc_per_node})" if nproc_per_node else ""

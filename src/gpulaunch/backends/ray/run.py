@@ -27,7 +27,7 @@ from ...caller.logstream import LogStreamer
 from ...caller.outcome import LostNode
 from ...caller.registry import ACTIVE
 from ...common import constants
-from ...common.records import AttemptRecord, JobStatus, LaunchRecord, RankExit, RunState, StopReason
+from ...common.records import AttemptRecord, JobStatus, LaunchRecord, RunState, StopReason
 from ...common.rundir import RunDir, hostname, write_json_atomic
 from . import calls, placement, restarts
 from .cluster import RayCluster, connect, has_local_paths
@@ -65,6 +65,8 @@ class RayRun:
         self.history: list[AttemptRecord] = []  # every failed attempt, with its root cause
         self._payload_ref = None
         self._extensions: dict | None = None
+        debug = dict(record.spec.env).get("GPULAUNCH_DEBUG", "").lower() in ("1", "true", "yes")
+        self._errors = restarts.ErrorWatch(run, enabled=not debug)
         self._deadline: float | None = None
         self._lock = threading.RLock()
         self._t0 = time.monotonic()
@@ -193,6 +195,9 @@ class RayRun:
                 return self._attempt_failed()
             if self._lost() or any(n.failed for n in self.nodes):
                 return self._attempt_failed()
+            if self._errors.own_failure(self.attempt):   # a rank raised: stop every node now
+                self._mark("rank_error_seen")
+                return self._attempt_failed()
             if all(n.done for n in self.nodes):
                 self._finish(None)
                 return True
@@ -219,8 +224,8 @@ class RayRun:
         self._stop_nodes()               # every node's ranks stopped, their last files here
         cause = restarts.attempt_cause(self.run, self.nodes, self.attempt,
                                        self.spec.world_size, self.spec.nproc_per_node)
-        self.history.append(AttemptRecord(self.attempt, time.time(),
-                                          restarts.attempt_exits(self.nodes), cause))
+        exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
+        self.history.append(AttemptRecord(self.attempt, time.time(), exits, cause))
         self._write_job(RunState.RESTARTING)
         if self.streamer:
             self.streamer.pump(final=True)
@@ -349,7 +354,7 @@ class RayRun:
             return RunState.NODE_LOST
         if states and all(s is RunState.SUCCEEDED for s in states):
             return RunState.SUCCEEDED
-        if any(s is RunState.FAILED for s in states):
+        if any(s is RunState.FAILED for s in states) or self._errors.raised(self.attempt):
             return RunState.FAILED
         if any(s is RunState.AGENT_ERROR for s in states):
             return RunState.AGENT_ERROR
@@ -368,9 +373,7 @@ class RayRun:
             else RunState.FAILED
 
     def outcome(self):
-        exits: dict[int, RankExit] = {}
-        for n in self.nodes:
-            exits.update(n.status.failures)
+        exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
         broken = next((n for n in self.nodes if n.status.state is RunState.AGENT_ERROR), None)
         lost = self._lost()
         lost_node = None
