@@ -1,5 +1,6 @@
 """Restarts of a whole job on Ray (issue 21): ``max_restarts`` with ``remote=True``, on a real
-local Ray cluster of 2 simulated nodes x 2 CPU slots (gloo between the "nodes").
+local Ray cluster of 2 simulated nodes x 2 CPU slots (gloo between the "nodes"); and, on the
+same cluster, ``gpulaunch run --cluster ADDRESS`` running a script there.
 
 Every attempt is real: the failed attempt's ranks are stopped on every node, fresh node agents
 start in the same placement group, a fresh rendezvous forms. Results are compared, exactly,
@@ -11,11 +12,15 @@ from __future__ import annotations
 
 import os
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 
 ray = pytest.importorskip("ray")
+
+from conftest import python_env  # noqa: E402
 
 from gpulaunch import NodeLostError, distributed  # noqa: E402
 from gpulaunch import runtime as rt  # noqa: E402
@@ -179,3 +184,64 @@ def test_lost_node_in_the_last_attempt_names_the_earlier_attempts_too(cluster):
         "attempt 0: rank 2: ValueError: boom in attempt 0 (node 1)"]
     assert "Earlier attempts" in str(info.value)
     assert _cluster_free()
+
+
+# ----------------------------------------------------------------- gpulaunch run --cluster
+SCRIPT = """
+import os, sys
+import torch, torch.distributed as dist
+from gpulaunch import runtime as rt
+import helper
+rt.init()
+t = torch.tensor([float(rt.get_global_rank() + 1)])
+dist.all_reduce(t)
+here = os.path.dirname(os.path.abspath(__file__))
+print(f"script rank {rt.get_global_rank()} node {os.environ['NODE_RANK']} sum {t.item():g} "
+      f"args {sys.argv[1:]} {helper.WORD}", flush=True)
+print(f"rank {rt.get_global_rank()} ran from {here}", flush=True)
+if "--fail" in sys.argv and rt.get_global_rank() == 3:
+    raise SystemExit(3)
+"""
+
+
+def _cli(cluster, *args, cwd):
+    env = python_env({"GPULAUNCH_TRACKING": "0"})
+    return subprocess.run([sys.executable, "-m", "gpulaunch.cli", "run", "--cluster",
+                           cluster.address, "--gpus", str(WORLD), *args], env=env, cwd=cwd,
+                          capture_output=True, text=True, timeout=BOUND_S)
+
+
+@pytest.mark.parametrize("ship", [False, True])
+def test_cli_runs_a_script_on_the_ray_cluster_and_exits_with_its_code(cluster, tmp_path, ship):
+    proj = tmp_path / "proj"
+    proj.mkdir()
+    (proj / "train.py").write_text(SCRIPT)
+    (proj / "helper.py").write_text(f"WORD = {'shipped' if ship else 'local'!r}\n")
+    ship_args = ["--working-dir", str(proj)] if ship else []
+    proc = _cli(cluster, *ship_args, str(proj / "train.py"), "a", "b", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    word = "shipped" if ship else "local"
+    for r in range(WORLD):
+        assert (f"[node {r // SLOTS} rank {r}] script rank {r} node {r // SLOTS} sum 10 "
+                f"args ['a', 'b'] {word}") in proc.stdout, out
+    for r in range(WORLD):
+        ran_from = proc.stdout.split(f"rank {r} ran from ", 1)[1].split()[0]
+        # shipped: Ray's copy of the folder on each node; else the caller's path itself
+        assert (ran_from != str(proj)) == ship, (ran_from, str(proj))
+    proc = _cli(cluster, *ship_args, str(proj / "train.py"), "--fail", cwd=tmp_path)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 3, out
+    assert "Rank 3" in proc.stderr and "sys.exit(3)" in proc.stderr, out
+    assert _cluster_free()
+
+
+def test_cli_cluster_refuses_nnodes_and_a_script_outside_the_working_dir(cluster, tmp_path):
+    (tmp_path / "train.py").write_text(SCRIPT)
+    other = tmp_path / "other"
+    other.mkdir()
+    proc = _cli(cluster, "--nnodes", "2", "--node-rank", "0", "--master-addr", "127.0.0.1",
+                str(tmp_path / "train.py"), cwd=tmp_path)
+    assert proc.returncode != 0 and "drop --nnodes" in proc.stderr, proc.stderr
+    proc = _cli(cluster, "--working-dir", str(other), str(tmp_path / "train.py"), cwd=tmp_path)
+    assert proc.returncode != 0 and "outside --working-dir" in proc.stderr, proc.stderr

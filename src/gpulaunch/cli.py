@@ -35,6 +35,11 @@ def _add_run(sub) -> None:
                    help="no MLflow run for this launch (also: GPULAUNCH_TRACKING=0)")
     p.add_argument("--experiment", default=None, help="MLflow experiment name (default: gpulaunch)")
     p.add_argument("--run-name", default=None, help="MLflow run name (default: the script name)")
+    p.add_argument("--working-dir", default=None, metavar="DIR",
+                   help="with --cluster: ship DIR to every node through Ray (runtime_env "
+                   "working_dir); the ranks run from its copy, so the script's path is taken "
+                   "relative to DIR. Without it, every node must have the script at the same "
+                   "absolute path (a shared filesystem or the same image)")
     p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
     p.add_argument("--no-python", action="store_true", help="run the program directly (torchrun's "
                    "flag); same as putting it after --")
@@ -116,6 +121,33 @@ def _entry_from(args) -> Entry:
     return Entry("script", tuple(target))
 
 
+def _on_ray(args, opts, entry: Entry, placement):
+    """``gpulaunch run --cluster ADDRESS``: the script on a Ray cluster's nodes (one node
+    agent per node, as for ``@distributed(remote=True)``)."""
+    import dataclasses
+    if placement is not None:
+        raise errors.ConfigurationError(
+            "--cluster runs the job on a Ray cluster, which places every node itself: drop "
+            "--nnodes/--node-rank/--master-addr (those are for launching on each node yourself)")
+    if args.working_dir:
+        root = os.path.abspath(args.working_dir)
+        if not os.path.isdir(root):
+            raise errors.ConfigurationError(f"--working-dir {args.working_dir!r} is not a folder")
+        env = dict(opts.cluster.runtime_env or {}, working_dir=root)
+        opts = dataclasses.replace(opts, cluster=dataclasses.replace(opts.cluster,
+                                                                     runtime_env=env))
+        if entry.kind == "script":
+            rel = os.path.relpath(os.path.abspath(entry.argv[0]), root)
+            if rel.startswith(".."):
+                raise errors.ConfigurationError(
+                    f"script {entry.argv[0]!r} is outside --working-dir {args.working_dir!r}: "
+                    "the nodes only get that folder")
+            entry = Entry("script", (rel,) + tuple(entry.argv[1:]))
+    elif entry.kind == "script":
+        entry = Entry("script", (os.path.abspath(entry.argv[0]),) + tuple(entry.argv[1:]))
+    return opts, entry
+
+
 def cmd_run(args) -> int:
     from .caller.handle import RunHandle
     from .caller.pipeline import launch
@@ -125,6 +157,8 @@ def cmd_run(args) -> int:
         Tracking(experiment=args.experiment, run_name=args.run_name)
     opts = options.from_cli(args, tracking=tracking)
     entry = _entry_from(args)
+    if opts.remote:
+        opts, entry = _on_ray(args, opts, entry, placement)
     run = launch(opts, entry, label=os.path.basename(entry.argv[0]), stream=True,
                  placement=placement)
     handle = RunHandle(run, background=False)

@@ -88,9 +88,10 @@ class NodeAgent:
         IP with a port chosen here and returns it; the others connect to it (given now, or
         later through ``set_master_port``). The record's extensions (the caller's callbacks'
         fields, e.g. the MLflow run's ids) reach this node's agent and ranks."""
-        with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
-                  "wb") as f:
-            f.write(payload)
+        if payload is not None:            # a script / module / command has none
+            with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                      "wb") as f:
+                f.write(payload)
         self._set_network_env(record.spec)
         port_file = str(self.run.path / "master_port") if self.node_rank and not master_port \
             else None
