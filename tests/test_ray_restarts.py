@@ -245,3 +245,31 @@ def test_cli_cluster_refuses_nnodes_and_a_script_outside_the_working_dir(cluster
     assert proc.returncode != 0 and "drop --nnodes" in proc.stderr, proc.stderr
     proc = _cli(cluster, "--working-dir", str(other), str(tmp_path / "train.py"), cwd=tmp_path)
     assert proc.returncode != 0 and "outside --working-dir" in proc.stderr, proc.stderr
+
+
+# ----------------------------------------------------------------- last: it replaces a node
+def test_lost_machine_is_replaced_by_another_node_within_the_placement_wait(cluster,
+                                                                            uninterrupted):
+    """A whole simulated machine goes (its raylet and every process on it): Ray reschedules
+    that node's bundle onto a spare node, and attempt 1 runs there with the same results."""
+    fn = distributed(gpus=WORLD, remote=True, max_restarts=1, stream_logs="none")(_train)
+    handle = fn.submit("kill_agent")             # attempt 0 holds after step 2
+    deadline = time.monotonic() + BOUND_S
+    while handle.logs().count("READY") < WORLD:
+        assert time.monotonic() < deadline, handle.logs()
+        assert not handle.done(), handle.result()
+        time.sleep(0.5)
+    first = RunDir(handle.run_dir).launch().cluster["nodes"]
+    workers = {w.node_id: w for w in cluster.worker_nodes}
+    victim = next(n for n in first if n["node_id"] in workers)
+    cluster.add_node(num_cpus=SLOTS)             # the spare, then the machine is gone
+    cluster.remove_node(workers[victim["node_id"]], allow_graceful=False)
+    results = handle.result(timeout=BOUND_S)
+    assert [r["restart"] for r in results] == [1] * WORLD
+    assert _without_restart(results) == uninterrupted
+    run = RunDir(handle.run_dir)
+    assert f"node {victim['node_rank']} lost" in run.job().history[0].cause, run.job().history
+    second = run.launch().cluster["nodes"]
+    assert victim["node_id"] not in {n["node_id"] for n in second}
+    assert len({n["node_id"] for n in second}) == NODES
+    assert _cluster_free()

@@ -40,6 +40,7 @@ from ...caller.outcome import root_cause
 from ...common.records import RankExit
 from ...common.rundir import RunDir
 from ...errors import LaunchError
+from . import calls
 
 
 class ErrorWatch:
@@ -116,18 +117,47 @@ def attempt_cause(run: RunDir, nodes, attempt: int, world_size: int,
     return "the attempt failed, and no rank reported why"
 
 
-def wait_placement(ray, pg, timeout: float) -> float:
-    """Wait (bounded) until every bundle of the job's placement group is held again: after a
-    node is lost, Ray reserves its bundle on another node that can hold it."""
+def _bundle_node() -> str:
+    import ray
+    return ray.get_runtime_context().get_node_id()
+
+
+def wait_placement(ray, pg, nnodes: int, timeout: float, *, probe_resources: dict) -> list[str]:
+    """Wait (bounded) until every bundle of the job's placement group is held by a live node,
+    and return their Ray node ids. After a node's agent was killed the bundle is still there;
+    after its machine went, Ray declares the node dead (missed heartbeats: seconds) and
+    reschedules the bundle onto another node that can hold it. A probe task in each bundle
+    (a sliver of the bundle's own resource, freed by the killed agent) answers only from a live
+    node; one that fails (its raylet gone, the group rescheduling) is sent again until
+    ``timeout``."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+    probe = ray.remote(_bundle_node)
     start = time.monotonic()
-    try:
-        ray.get(pg.ready(), timeout=timeout)
-    except Exception as e:  # noqa: BLE001 - GetTimeoutError, a removed group
-        raise LaunchError(
-            f"The job's placement could not be re-reserved within {timeout:g} s for the next "
-            f"attempt ({type(e).__name__}): a node it needs is gone and no other node can take "
-            "its place. Add a node, or raise RayCluster(placement_timeout=...).") from None
-    return time.monotonic() - start
+    last = ""
+    while True:
+        left = timeout - (time.monotonic() - start)
+        if left <= 0:
+            break
+        refs = [probe.options(**probe_resources, max_retries=0, scheduling_strategy=(
+            PlacementGroupSchedulingStrategy(placement_group=pg,
+                                             placement_group_bundle_index=i))).remote()
+                for i in range(nnodes)]
+        try:
+            return list(calls.get(ray, refs, timeout=left))
+        except Exception as e:  # noqa: BLE001 - GetTimeoutError, a dead node, a removed group
+            last = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e) else ''}"
+            for ref in refs:
+                try:
+                    ray.cancel(ref, force=True)
+                except Exception:  # noqa: BLE001
+                    pass
+            if type(e).__name__ == "GetTimeoutError":
+                break
+            time.sleep(1.0)
+    raise LaunchError(
+        f"The job's placement could not be re-reserved within {timeout:g} s for the next "
+        f"attempt ({last or 'no answer'}): a node it needs is gone and no other node can take "
+        "its place. Add a node, or raise RayCluster(placement_timeout=...).")
 
 
 def announce(attempt: int, cause: str, max_restarts: int) -> str:

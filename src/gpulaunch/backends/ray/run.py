@@ -235,7 +235,9 @@ class RayRun:
         try:
             if self.run.hang_json.exists():   # the next attempt's hang, if any, is its own
                 self.run.hang_json.replace(self.run.attempt_dir(failed) / "hang.json")
-            restarts.wait_placement(self.conn.ray, self.pg, self.cluster.placement_timeout)
+            restarts.wait_placement(self.conn.ray, self.pg, self.layout.nnodes,
+                                    self.cluster.placement_timeout,
+                                    probe_resources=self.layout.probe_resources())
             self.attempt, self._stacks_asked = failed + 1, False
             self._start_nodes(self.conn.ray)
         except (Exception, SystemExit) as e:
