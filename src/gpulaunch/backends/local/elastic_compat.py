@@ -32,6 +32,7 @@ from ...common import constants, procutil
 from ...common.records import RankExit
 
 FORK_GATE_ENV = constants.FORK_GATE_ENV
+JOIN_SIGKILL_AFTER_S = 29.0   # torch.multiprocessing ProcessContext.join: SIGTERM, 30 s, SIGKILL
 
 
 def missing_private_api() -> list[str]:
@@ -194,9 +195,14 @@ def _like_spawned_ranks(pcontext) -> None:
         # theirs; any other exit code is a rank that failed by itself in the same instant.
         exited = {lr: (p.pid, p.exitcode) for lr, p in enumerate(procs)
                   if p.exitcode not in (None, 0)}
+        began = time.monotonic()
         result = poll()
         if result is not None and result.is_failed():
-            ours = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
+            # That poll SIGKILLs a survivor only once it ignored the SIGTERM for 30 s
+            # (ProcessContext.join). A SIGKILL seen sooner is the rank's own (kill -9, the OOM
+            # killer), often in the same instant as its peers' "connection closed": a cause.
+            ours = (None, 0, -signal.SIGTERM) + (
+                (-signal.SIGKILL,) if time.monotonic() - began >= JOIN_SIGKILL_AFTER_S else ())
             exited.update({lr: (p.pid, p.exitcode) for lr, p in enumerate(procs)
                            if lr not in exited and p.exitcode not in ours})
             for lr, (pid, code) in exited.items():
