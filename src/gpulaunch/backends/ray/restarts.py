@@ -17,14 +17,16 @@ are spent. Data flow of one attempt k (the caller drives it; no node restarts on
             rendezvous on every node.
     follow  polls mirror ``attempt<k>/rank<r>.*`` into the caller's run directory (the layout
             of a local run with restarts, read the same way by ``caller.collect``).
-    failed  a node reports FAILED (a rank's exit), a hang, or a node is lost (its actor died,
-            its machine left, it stopped answering): every node's ranks are stopped
+    failed  a rank's own error file arrives (``ErrorWatch``), a node reports FAILED (a
+            rank's exit), a hang, or a node is lost (its actor died, its machine left, it
+            stopped answering): every node's ranks are stopped
             (``stop``, SIGTERM then SIGKILL), their last files drained, and the attempt's root
             cause, read from ``attempt<k>/`` (``attempt_cause``), is appended to the job's
             history (``JobStatus.history`` in job.json: ``AttemptRecord(k, ended, failures,
             cause)``). Then, if restarts are left: the attempt's actors are killed, the
-            placement group waited for (``wait_placement``: Ray re-reserves the bundle of a
-            node that is gone on another node, within ``RayCluster.placement_timeout``), and
+            placement group waited for (``wait_placement``: a probe task answers from a live
+            node in every bundle; Ray re-reserves the bundle of a node that is gone on another
+            node, within ``RayCluster.placement_timeout``), and
             attempt k + 1 starts. If none are left, the job ends: the caller raises attempt k's
             error, naming every earlier attempt's root cause (``RunOutcome.history``).
 
