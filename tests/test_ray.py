@@ -232,8 +232,6 @@ def test_job_the_cluster_can_never_hold_fails_at_once_naming_what_is_missing(clu
         distributed(gpus=5, remote=True)(_six_ranks).distributed(0)
     with pytest.raises(GPUTypeError, match="no GPU"):
         distributed(gpus=2, gpu_type="H100", remote=True)(_six_ranks).distributed(0)
-    with pytest.raises(ConfigurationError, match="max_restarts"):
-        distributed(gpus=2, remote=True, max_restarts=1)(_six_ranks).distributed(0)
     # nothing was left reserved: the whole cluster is free again
     assert_cluster_free()
 

@@ -7,6 +7,7 @@ measured by bench/reliability_matrix.py and written to docs/reliability.md.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import textwrap
@@ -280,10 +281,16 @@ def test_restarts_give_up_after_the_budget(gpulaunch_home):
     def always_fails():
         raise RuntimeError(f"attempt {rt.get_restart_count()} failed")
 
-    with pytest.raises(RuntimeError, match="attempt 2 failed"):
+    with pytest.raises(RuntimeError, match="attempt 2 failed") as info:
         always_fails.distributed()
     run = RunDir(latest_run_dir(gpulaunch_home))
     assert run.attempts() == [0, 1, 2]
+    # one error, naming every earlier attempt's root cause (read from its attempt<k>/ folder)
+    history = info.value.restart_history
+    assert len(history) == 2, history
+    for k, line in enumerate(history):
+        assert re.fullmatch(rf"attempt {k}: rank [01]: RuntimeError: attempt {k} failed", line)
+        assert line in str(info.value.__cause__)
 
 
 def test_bad_settings_are_refused_with_the_fix():

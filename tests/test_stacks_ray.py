@@ -38,7 +38,9 @@ def test_stacks_of_a_two_node_ray_job(cluster, tmp_path):  # noqa: F811
         _wait_on_every_node).submit(str(flags))
     try:
         deadline = time.monotonic() + 120
-        while not all((flags / f"ready{r}").exists() for r in range(4)):
+        run = RunDir(h.run_dir)
+        # every rank waits, and the caller's mirror has heard so (its info file: one poll later)
+        while not all((flags / f"ready{r}").exists() and run.rank_info(0, r) for r in range(4)):
             assert time.monotonic() < deadline, "the ranks did not start"
             time.sleep(0.2)
         nodes = RunDir(h.run_dir).launch().cluster["nodes"]

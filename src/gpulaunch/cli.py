@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 
-from . import errors, options
+from . import cli_nodes, errors, options
 from .caller.logstream import LogStreamer, tail_text
 from .common import rundir
 from .common.records import Entry, RunState
@@ -29,7 +29,7 @@ def _add_run(sub) -> None:
                                    "WORLD_SIZE, MASTER_ADDR, ...) and stream their logs. Every "
                                    "setting has the same default as in the Python API.")
     options.add_cli_arguments(p)           # --gpus, --timeout, --hang-timeout, ... (LaunchOptions)
-    _add_multi_node(p)
+    cli_nodes.add_arguments(p)
     p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
     p.add_argument("--no-tracking", action="store_true",
                    help="no MLflow run for this launch (also: GPULAUNCH_TRACKING=0)")
@@ -40,65 +40,6 @@ def _add_run(sub) -> None:
                    "flag); same as putting it after --")
     p.add_argument("target", nargs=argparse.REMAINDER,
                    help="script.py [args] | -m module [args] | -- command [args]")
-
-
-def _add_multi_node(p) -> None:
-    g = p.add_argument_group("several nodes (torchrun's flags; under Slurm or a Kubernetes "
-                             "PyTorchJob they are read from the environment)")
-    g.add_argument("--nnodes", default=None, help="number of nodes, each running this command "
-                   "(default: 1, or what Slurm / the PyTorchJob environment says)")
-    g.add_argument("--node-rank", type=int, default=None, help="this node's index, 0..nnodes-1")
-    g.add_argument("--master-addr", default=None, help="node 0's address (the same everywhere)")
-    g.add_argument("--master-port", type=int, default=None, help="node 0's rendezvous port "
-                   "(default: 29500)")
-    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT, instead of --master-addr "
-                   "and --master-port")
-    g.add_argument("--rdzv-id", default=None, help="job id, the same on every node (Slurm: "
-                   "SLURM_JOB_ID)")
-    g.add_argument("--rdzv-backend", default=None, help="accepted for torchrun compatibility "
-                   "(gpulaunch always uses its own static rendezvous)")
-    g.add_argument("--listen-addr", default=None, help="address node 0's store listens on "
-                   "(default: this host's address on the route to the master; 0.0.0.0 only "
-                   "if you give it)")
-
-
-def _placement(args):
-    """This node's place in a multi-node job, or None for one node. Also picks the
-    collectives' interface from the route to the master, and says what it chose."""
-    from .caller import cluster_env, netroute
-    from .common.records import NodePlacement
-    c = cluster_env.detect(os.environ, nnodes=args.nnodes, node_rank=args.node_rank,
-                           master_addr=args.master_addr, master_port=args.master_port,
-                           rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
-    if not c.multi_node:
-        if c.rdzv_id == "none":
-            return None
-        # One node that still has a job id (srun -N1, --rdzv-id): the ranks rendezvous on this
-        # host's loopback as usual, under the job's id (launch.json, TORCHELASTIC_RUN_ID).
-        print(f"gpulaunch: one node, rendezvous id {c.rdzv_id!r} (from {c.source}); ranks "
-              "rendezvous on this host", file=sys.stderr)
-        return NodePlacement(rdzv_id=f"gpulaunch-{c.rdzv_id}")
-    local_ip = netroute.local_ip_towards(c.master_addr, c.master_port)
-    bind = args.listen_addr or local_ip
-    ifname = netroute.interface_of(local_ip)
-    chosen = []
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if var in os.environ:
-            chosen.append(f"{var}={os.environ[var]} (yours)")
-        elif ifname:
-            os.environ[var] = ifname
-            chosen.append(f"{var}={ifname}")
-    if c.node_rank == 0 and netroute.resolve(c.master_addr).startswith("127.") and \
-            not c.master_addr.startswith("127.") and c.master_addr != "localhost":
-        print(f"gpulaunch: warning: the master address {c.master_addr} resolves to a loopback "
-              "address on this host (/etc/hosts); other machines cannot reach it there. Pass "
-              "--master-addr with node 0's IP.", file=sys.stderr)
-    print(f"gpulaunch: {c.describe()}; {'store listens on ' + bind if c.node_rank == 0 else ''}"
-          f"{'; ' if c.node_rank == 0 else ''}this host reaches the master from {local_ip}; "
-          f"{', '.join(chosen) or 'collectives pick their interface'}", file=sys.stderr)
-    return NodePlacement(node_rank=c.node_rank, nnodes=c.nnodes, bind_host=bind,
-                         master_addr=c.master_addr, master_port=c.master_port,
-                         rdzv_id=f"gpulaunch-{c.rdzv_id}", stop_on_peer_failure=True)
 
 
 def _entry_from(args) -> Entry:
@@ -126,11 +67,14 @@ def cmd_run(args) -> int:
     from .caller.handle import RunHandle
     from .caller.pipeline import launch
     from .tracking import Tracking
-    placement = _placement(args)
+    placement = cli_nodes.placement(args)
     tracking = Tracking(enabled=False) if args.no_tracking else \
         Tracking(experiment=args.experiment, run_name=args.run_name)
     opts = options.from_cli(args, tracking=tracking)
     entry = _entry_from(args)
+    if opts.remote:
+        opts, entry = cli_nodes.on_ray(args, opts, entry, placement)
+        placement = None                  # Ray places the job's nodes itself
     run = launch(opts, entry, label=os.path.basename(entry.argv[0]), stream=True,
                  placement=placement)
     handle = RunHandle(run, background=False)

@@ -71,7 +71,8 @@ class LaunchOptions:
     cluster: Any = setting(
         None, "which Ray cluster: an address ('auto', 'head:6379', 'ray://...', 'local') or "
         "gpulaunch.RayCluster(...); implies remote=True. Default: $GPULAUNCH_RAY_ADDRESS, "
-        "$RAY_ADDRESS, else 'auto'.", check=checks.cluster)
+        "$RAY_ADDRESS, else 'auto'.", check=checks.cluster,
+        cli=Cli(("--cluster",), str, {"metavar": "ADDRESS"}))
     timeout: float | None = setting(
         constants.DEFAULT_TIMEOUT_S, "seconds before every rank is stopped and RunTimeoutError "
         "raised (None: no limit).", check=checks.seconds("timeout"),

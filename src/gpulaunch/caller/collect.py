@@ -19,7 +19,7 @@ from ..common import constants
 from ..common.records import RankError, RankExit, RunState, StopReason
 from ..common.rundir import RunDir
 from .logstream import tail_text
-from .outcome import HangReport, LostNode, RankFailure, RunOutcome
+from .outcome import HangReport, LostNode, RankFailure, RunOutcome, root_cause
 
 LOG_TAIL_LINES = 30
 _WORKER_PY = os.path.join("gpulaunch", "rank", "worker.py")
@@ -87,6 +87,11 @@ def _load_error(path: Path) -> RankError | None:
     return RankError(**data) if isinstance(data, dict) else None
 
 
+def rank_error(run: RunDir, attempt: int, rank: int) -> RankError | None:
+    """The exception rank ``rank`` recorded in attempt ``attempt`` (its error.pkl), if any."""
+    return _load_error(run.rank_file(attempt, rank, "error.pkl"))
+
+
 def rank_failures(run: RunDir, attempt: int, exits: dict[int, RankExit]) -> tuple:
     out = []
     for rank, ex in sorted(exits.items()):
@@ -94,6 +99,21 @@ def rank_failures(run: RunDir, attempt: int, exits: dict[int, RankExit]) -> tupl
         out.append(RankFailure(rank, ex.exitcode,
                                _load_error(run.rank_file(attempt, rank, "error.pkl")),
                                info.host if info else "?", rank_log(run, attempt, rank)))
+    return tuple(out)
+
+
+def attempt_causes(run: RunDir, history) -> tuple[str, ...]:
+    """Each failed attempt of a run with restarts (``AttemptRecord``s), as "attempt k: <root
+    cause>": the cause the caller recorded, else the root cause among the attempt's failed
+    ranks, read from that attempt's folder."""
+    out = []
+    for a in history:
+        cause = a.cause
+        if not cause:
+            failures = rank_failures(run, a.attempt, a.failures)
+            cause = root_cause(failures).summary() if failures else \
+                "no rank of this node failed (the group restarted with another node's)"
+        out.append(f"attempt {a.attempt}: {cause}")
     return tuple(out)
 
 
@@ -176,7 +196,7 @@ def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
             timeout: float | None = None, agent_error: str | None = None,
             agent_traceback: str = "", lost: LostNode | None = None,
             oom_kills_at_start: int | None = None, nproc_per_node: int = 0,
-            peer_failure=None) -> RunOutcome:
+            peer_failure=None, history=()) -> RunOutcome:
     """The outcome of a finished run from its directory plus what its backend knows."""
     record = run.launch()
     entry_kind = record.entry.kind if record else "function"
@@ -192,4 +212,5 @@ def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
         oom_confirmed=(oom_now is not None and oom_kills_at_start is not None
                        and oom_now > oom_kills_at_start),
         nproc_per_node=nproc_per_node, peer_failure=peer_failure,
+        history=attempt_causes(run, history),
         load_results=result_loader(run, attempt, world_size, entry_kind))

@@ -89,6 +89,7 @@ class RunOutcome:
     oom_confirmed: bool = False
     nproc_per_node: int = 0                # > 0 on multi-node runs: errors get node_rank
     peer_failure: PeerFailure | None = None  # gpulaunch run --nnodes: another node failed
+    history: tuple[str, ...] = ()          # "attempt k: <root cause>" of each earlier attempt
     load_results: Callable[[], list] = dataclasses.field(default=lambda: [], compare=False)
 
 
@@ -120,6 +121,14 @@ def signal_hint(exit_code: int, oom_confirmed: bool) -> str:
     return ""
 
 
+def _earlier(o: RunOutcome) -> str:
+    """The root cause of every earlier attempt of a run with restarts (max_restarts)."""
+    if not o.history:
+        return ""
+    return (f"\nEarlier attempts ({len(o.history)} restart(s) of every rank, all spent): "
+            + "; ".join(o.history))
+
+
 def _indent(text: str, pad: str = "    ") -> str:
     return "\n".join(pad + line for line in text.splitlines())
 
@@ -129,6 +138,11 @@ def settle(o: RunOutcome) -> list:
     try:
         return _settle(o)
     except BaseException as e:
+        if o.history:
+            try:
+                e.restart_history = list(o.history)
+            except Exception:  # noqa: BLE001 - an exception class with slots
+                pass
         rank = getattr(e, "rank", None)
         if o.nproc_per_node and isinstance(rank, int) and getattr(e, "node_rank", None) is None:
             try:
@@ -157,6 +171,7 @@ def _settle(o: RunOutcome) -> list:
     if o.lost is not None:
         others = "; ".join(f.summary() for f in o.failures)
         also = f"\nAfter it, these ranks failed too (a consequence): {others}" if others else ""
+        also += _earlier(o)
         raise errors.NodeLostError(
             f"Node {o.lost.node_rank} of the job ({o.lost.description}) was lost: "
             f"{o.lost.why}. Every other node was stopped.{also}\nRun directory: {run_dir}",
@@ -168,8 +183,8 @@ def _settle(o: RunOutcome) -> list:
         raise errors.HangError(
             f"Hang detected: rank {h.detected_by} made no progress for {h.stuck_for} s "
             f"(hang_timeout). It was waiting at:\n{_indent(h.where.rstrip())}\n"
-            f"Every rank was stopped. Python stacks of all ranks at that moment:\n{body}\n"
-            f"Run directory: {run_dir}",
+            f"Every rank was stopped. Python stacks of all ranks at that moment:\n{body}"
+            f"{_earlier(o)}\nRun directory: {run_dir}",
             rank=h.detected_by, stacks=dict(h.stacks), run_dir=run_dir)
     if o.state is RunState.SUCCEEDED:
         return o.load_results()
@@ -208,6 +223,7 @@ def _raise_rank_failure(o: RunOutcome) -> None:
     root = root_cause(o.failures)
     others = [f.summary() for f in o.failures if f is not root]
     also = ("\nAlso failed (after the root cause): " + "; ".join(others)) if others else ""
+    also += _earlier(o)
     log_tail = root.log_tail or "(it printed nothing)"
     where = ("the ray_launch driver" if o.entry_kind == "ray_program"
              else f"rank {root.rank} (host {root.host}, attempt {o.attempt})")

@@ -126,6 +126,10 @@ class NodePlacement(Record):
     # (``backends.local.peers``). The Ray caller does that stopping itself.
     rdzv_id: str | None = None
     stop_on_peer_failure: bool = False
+    # Ray restarts (the caller re-forms the whole job): this node's agent runs attempt
+    # ``first_attempt`` of the job, with TORCHELASTIC_RESTART_COUNT and attempt<k>/ folders
+    # numbered as the job's attempt, and never restarts its ranks on its own.
+    first_attempt: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -174,6 +178,7 @@ class AttemptRecord(Record):
     attempt: int
     ended: float
     failures: dict[int, RankExit] = dataclasses.field(default_factory=dict)
+    cause: str = ""               # the attempt's root cause in words, when the caller knew it
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,6 +230,8 @@ class JobStatus(Record):
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     lost_node: int | None = None
     lost_why: str | None = None
+    attempt: int = 0                                   # the job's attempt (max_restarts)
+    history: list[AttemptRecord] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -97,9 +97,11 @@ def node_hook(record, run: RunDir, fields: dict, node_rank: int) -> NodeTracking
         interval = info.get("system_metrics_interval")
         if interval:
             from .system import SystemMetricsLogger
-            # The caller shares this run directory (a local run): samples the agent could not
-            # log before it exits go to the caller there. Nodes of a Ray run log their own.
-            handoff = run.path / handoff_name(node_rank) if fields.get("pending") else None
+            # Samples the agent could not log before it exits (its MLflow client not ready:
+            # importing MLflow takes seconds) go to the caller in this run directory: shared
+            # with the caller on one host, mirrored to it by a Ray node agent's polls. The
+            # agent never waits for its client (it held every Ray failure for up to 10 s).
+            handoff = run.path / handoff_name(node_rank)
             logger = SystemMetricsLogger(info["run_id"], info["tracking_uri"], node_rank,
                                          float(interval), nproc=record.spec.nproc_per_node,
                                          log=_log, handoff=handoff)

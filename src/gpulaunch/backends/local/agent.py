@@ -327,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         agent = ElasticAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                              shutdown_grace=spec.shutdown_grace,
                              before_start=lambda wg: rdzv.before_starting_ranks(),
-                             on_started=on_started, on_restart=on_restart)
+                             on_started=on_started, on_restart=on_restart,
+                             first_attempt=placement.first_attempt)
         if spec.hang_timeout:
             threading.Thread(target=_watch_hangs, daemon=True,
                              args=(run, agent, status, spec.device, stop_event,

@@ -32,6 +32,7 @@ from ...common import constants, procutil
 from ...common.records import RankExit
 
 FORK_GATE_ENV = constants.FORK_GATE_ENV
+JOIN_SIGKILL_AFTER_S = 29.0   # torch.multiprocessing ProcessContext.join: SIGTERM, 30 s, SIGKILL
 
 
 def missing_private_api() -> list[str]:
@@ -69,7 +70,7 @@ class ElasticAgent(LocalElasticAgent):
 
     def __init__(self, spec, *, logs_specs, start_method: str, shutdown_grace: float,
                  before_start: Callable | None = None, on_started: Callable | None = None,
-                 on_restart: Callable | None = None):
+                 on_restart: Callable | None = None, first_attempt: int = 0):
         kw = {}
         if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
             kw["shutdown_timeout"] = max(1, int(round(shutdown_grace)))
@@ -79,7 +80,12 @@ class ElasticAgent(LocalElasticAgent):
         self.on_started = on_started
         self.on_restart = on_restart
         self._last_result = None
-        self._attempt = 0
+        self._attempt = first_attempt
+        if first_attempt:
+            # Attempt k of a job that its caller restarts (Ray): torchelastic numbers attempts
+            # max_restarts - remaining (TORCHELASTIC_RESTART_COUNT, attempt<k>/), so the ranks
+            # see k, and this agent, with spec.max_restarts == k, has no restart of its own.
+            self._remaining_restarts = max(0, spec.max_restarts - first_attempt)
 
     @property
     def attempt(self) -> int:
@@ -189,9 +195,14 @@ def _like_spawned_ranks(pcontext) -> None:
         # theirs; any other exit code is a rank that failed by itself in the same instant.
         exited = {lr: (p.pid, p.exitcode) for lr, p in enumerate(procs)
                   if p.exitcode not in (None, 0)}
+        began = time.monotonic()
         result = poll()
         if result is not None and result.is_failed():
-            ours = (None, 0, -signal.SIGTERM, -signal.SIGKILL)
+            # That poll SIGKILLs a survivor only once it ignored the SIGTERM for 30 s
+            # (ProcessContext.join). A SIGKILL seen sooner is the rank's own (kill -9, the OOM
+            # killer), often in the same instant as its peers' "connection closed": a cause.
+            ours = (None, 0, -signal.SIGTERM) + (
+                (-signal.SIGKILL,) if time.monotonic() - began >= JOIN_SIGKILL_AFTER_S else ())
             exited.update({lr: (p.pid, p.exitcode) for lr, p in enumerate(procs)
                            if lr not in exited and p.exitcode not in ours})
             for lr, (pid, code) in exited.items():

@@ -251,4 +251,5 @@ class LocalRun:
             self.run, state=status.state, world_size=self.spec.world_size, attempt=attempt,
             exits=status.failures, reason=self.reason, timeout=self.spec.timeout,
             agent_error=status.error, agent_traceback=status.traceback,
-            oom_kills_at_start=self._oom_start, peer_failure=status.peer_failure)
+            oom_kills_at_start=self._oom_start, peer_failure=status.peer_failure,
+            history=status.history)

@@ -56,16 +56,18 @@ def node_home() -> Path:
 class NodeAgent:
     """Ray actor class (wrapped with ``ray.remote`` by the caller)."""
 
-    def __init__(self, run_id: str, node_rank: int):
+    def __init__(self, run_id: str, node_rank: int, attempt: int = 0):
         import ray
         self.node_rank = node_rank
+        self.attempt = attempt             # the job's attempt (the caller restarts the job)
         self.node_ip = ray.util.get_node_ip_address()
         self.node_id = ray.get_runtime_context().get_node_id()
         # <home>/ray-nodes/<node id>/runs/<run_id>: one folder per Ray node, so simulated
         # nodes sharing a disk never share a run directory (exactly like separate machines).
         root = node_home() / self.node_id[:12] / "runs"
         root.mkdir(parents=True, exist_ok=True, mode=0o700)
-        path = root / run_id
+        # a restarted job gets a fresh folder per attempt (the last one may still be removed)
+        path = root / (run_id if not attempt else f"{run_id}.attempt{attempt}")
         path.mkdir(mode=0o700)
         os.chmod(path, 0o700)
         self.run = RunDir(path)
@@ -86,18 +88,22 @@ class NodeAgent:
         IP with a port chosen here and returns it; the others connect to it (given now, or
         later through ``set_master_port``). The record's extensions (the caller's callbacks'
         fields, e.g. the MLflow run's ids) reach this node's agent and ranks."""
-        with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
-                  "wb") as f:
-            f.write(payload)
+        if payload is not None:            # a script / module / command has none
+            with open(os.open(self.run.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
+                      "wb") as f:
+                f.write(payload)
         self._set_network_env(record.spec)
         port_file = str(self.run.path / "master_port") if self.node_rank and not master_port \
             else None
         placement = NodePlacement(node_rank=self.node_rank, nnodes=nnodes,
                                   bind_host=self.node_ip, master_addr=master_addr,
-                                  master_port=master_port or 0, master_port_file=port_file)
-        # The caller enforces timeout= for the whole job, and stops every node on it.
-        node_record = dataclasses.replace(record, placement=placement,
-                                          spec=_without_timeout(record.spec))
+                                  master_port=master_port or 0, master_port_file=port_file,
+                                  first_attempt=self.attempt)
+        # The caller enforces timeout= for the whole job, and stops every node on it; it also
+        # restarts the whole job (max_restarts): this node's agent runs attempt k, restarting
+        # nothing itself (max_restarts == first_attempt: no restart left).
+        node_record = dataclasses.replace(record, placement=placement, spec=dataclasses.replace(
+            _without_timeout(record.spec), max_restarts=self.attempt))
         self.local = LocalRun(node_record, self.run, stream=False)
         self.local.start()
         if self.node_rank != 0:
@@ -180,6 +186,10 @@ class NodeAgent:
             data = self.run.hang_json.read_bytes()
             if cursors.get("hang.json") != len(data):
                 files["hang.json"] = ("whole", len(data), data)
+        for p in self.run.path.glob("system_metrics.node*.json"):   # tracking's handoff
+            data = p.read_bytes()
+            if cursors.get(p.name) != len(data):
+                files[p.name] = ("whole", len(data), data)
         return {"node_rank": self.node_rank, "done": done, "status": status, "files": files,
                 "agent_exit": self.local.proc.poll() if self.local and self.local.proc else None,
                 "agent_tail": _tail(self.run.agent_log) if done else ""}

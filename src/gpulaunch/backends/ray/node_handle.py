@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 
+from ...common import constants
 from ...common.records import NodeStatus, RunState
 from ...common.rundir import RunDir
 from . import calls, mirror
@@ -99,3 +100,39 @@ def ray_error_text(e: BaseException) -> str:
     text = str(e).strip().splitlines()
     first = next((line for line in text if line.strip()), "")
     return f"{type(e).__name__}: {first[:300]}"
+
+
+def stop_all(ray, nodes: list[NodeHandle], *, grace: float) -> None:
+    """Stop every node still running, all at once. A node that does not answer within
+    ``grace`` while still running is lost."""
+    live = [n for n in nodes if n.lost_why is None]
+    stops = {n.node_rank: calls.call(n.actor.stop) for n in live}
+    for n in live:
+        try:
+            calls.get(ray, stops[n.node_rank], timeout=grace)
+        except (Exception, SystemExit) as e:
+            if not n.done:                # it was still running and did not answer
+                n.mark_lost(ray_error_text(e))
+
+
+def drain_all(ray, nodes: list[NodeHandle], run: RunDir) -> None:
+    """After ``stop_all``: every node's last files, all nodes' drain rounds in flight together."""
+    lost_before = any(n.lost_why is not None for n in nodes)
+    draining = [n for n in nodes if n.lost_why is None and not n.done]
+    for _ in range(8):                    # after stop() every node's files are final
+        if not draining:
+            break
+        refs = {n.node_rank: calls.call(n.actor.poll, n.cursors) for n in draining}
+        left = []
+        for n in draining:
+            try:
+                answer = calls.get(ray, refs[n.node_rank], timeout=constants.RAY_DRAIN_TIMEOUT_S)
+            except (Exception, SystemExit) as e:
+                if not lost_before and not n.done:
+                    n.mark_lost(ray_error_text(e))
+                continue
+            drained = answer["done"] and not answer["files"]
+            n.absorb(answer, run)
+            if not drained:
+                left.append(n)
+        draining = left

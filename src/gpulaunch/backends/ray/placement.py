@@ -62,6 +62,12 @@ class Layout:
             return opts
         return {"num_cpus": self.nproc_per_node, "num_gpus": 0}
 
+    def probe_resources(self) -> dict:
+        """A sliver of one bundle (a restart checks that each bundle's node is alive)."""
+        if self.device == "cuda":
+            return {"num_cpus": 0, "num_gpus": 0.01}
+        return {"num_cpus": 0.01}
+
     def describe(self) -> str:
         unit = "GPU" if self.device == "cuda" else "CPU slot"
         return (f"{self.nnodes} node(s) x {self.nproc_per_node} {unit}(s) = "

@@ -6,6 +6,8 @@ per node, follow them, tear everything down, and report exactly as a local run d
     poll:   ask every node (``node_handle.poll_all``; files land in the caller's run directory,
             ``mirror``) -> decide: done / failed / lost / hung / timed out -> tear down
     end:    stop every node's ranks, drain their last files, kill the actors, remove the group
+    restart (max_restarts): a failed attempt is stopped on every node as at the end, the group
+            kept, and the next attempt started on every node (``restarts``: the data flow)
 
 The caller's run directory mirrors the union of the nodes' run directories, so logs stream
 from it (``[node n rank r]``), ``RunHandle.logs()`` reads it, and the outcome is built from it
@@ -25,13 +27,13 @@ from ...caller.logstream import LogStreamer
 from ...caller.outcome import LostNode
 from ...caller.registry import ACTIVE
 from ...common import constants
-from ...common.records import JobStatus, LaunchRecord, RankExit, RunState, StopReason
+from ...common.records import AttemptRecord, JobStatus, LaunchRecord, RunState, StopReason
 from ...common.rundir import RunDir, hostname, write_json_atomic
-from . import calls, placement
+from . import calls, placement, restarts
 from .cluster import RayCluster, connect, has_local_paths
 from .connection import Connection
 from .node_agent import NodeAgent
-from .node_handle import NodeHandle, poll_all, ray_error_text
+from .node_handle import NodeHandle, drain_all, poll_all, stop_all
 
 
 class RayRun:
@@ -41,11 +43,6 @@ class RayRun:
 
     def __init__(self, record: LaunchRecord, run: RunDir, payload: bytes, *, cluster=None,
                  callbacks=None, stream: bool = True, write=None):
-        if record.spec.max_restarts:
-            raise errors.ConfigurationError(
-                "max_restarts is not supported with remote=True yet: a restart would have to "
-                "re-form the group on every node at once. Use max_restarts=0 and resume from a "
-                "checkpoint in your function.")
         self.record = record
         self.spec = record.spec                 # replaced by the placed layout in start()
         self.run = run
@@ -64,6 +61,12 @@ class RayRun:
         self.master: dict | None = None
         self.timings: dict[str, float] = {}     # seconds since start() for each phase
         self._stacks_asked = False
+        self.attempt = 0                        # the job's attempt (max_restarts: restarts.py)
+        self.history: list[AttemptRecord] = []  # every failed attempt, with its root cause
+        self._payload_ref = None
+        self._extensions: dict | None = None
+        debug = dict(record.spec.env).get("GPULAUNCH_DEBUG", "").lower() in ("1", "true", "yes")
+        self._errors = restarts.ErrorWatch(run, enabled=not debug)
         self._deadline: float | None = None
         self._lock = threading.RLock()
         self._t0 = time.monotonic()
@@ -132,17 +135,24 @@ class RayRun:
             actors.append(remote_cls.options(scheduling_strategy=strategy, max_restarts=0,
                                              max_concurrency=4, name=None,
                                              **self.layout.actor_options(), **extra).remote(
-                                                 self.run.run_id, i))
+                                                 self.run.run_id, i, self.attempt))
+        # the handles first: a failed start below must still kill every actor (teardown)
+        self.nodes = [NodeHandle(i, a, {}) for i, a in enumerate(actors)]
         infos = ray.get([a.info.remote() for a in actors], timeout=self.spec.start_timeout)
-        self.nodes = [NodeHandle(i, a, info) for i, (a, info) in enumerate(zip(actors, infos))]
+        for n, info in zip(self.nodes, infos):
+            n.info = info
         self._mark("actors_up")
-        # The node agents get the callbacks' fields themselves: they cannot read our directory.
-        hosts = sorted({str(n.info.get('host')) for n in self.nodes})
-        if self.callbacks is not None:
-            self.callbacks.on_placed(self.spec)
-        extensions = self.callbacks.node_extensions(hosts) if self.callbacks is not None else {}
-        record = dataclasses.replace(self.record, spec=self.spec, extensions=extensions)
-        payload_ref = ray.put(self.payload)
+        if self._extensions is None:
+            # The node agents get the callbacks' fields themselves: they cannot read our
+            # directory. Once per job: a restart keeps the tracking run and its fields.
+            hosts = sorted({str(n.info.get('host')) for n in self.nodes})
+            if self.callbacks is not None:
+                self.callbacks.on_placed(self.spec)
+            self._extensions = self.callbacks.node_extensions(hosts) \
+                if self.callbacks is not None else {}
+            self._payload_ref = ray.put(self.payload)
+        record = dataclasses.replace(self.record, spec=self.spec, extensions=self._extensions)
+        payload_ref = self._payload_ref
         head = self.nodes[0].info
         # Every node's agent starts at once (each imports torch); node 0 binds its store on
         # its cluster IP with a port chosen there, and the others learn it when it is known.
@@ -182,10 +192,13 @@ class RayRun:
                 self.streamer.pump()
             if not self._stacks_asked and any(n.status.hang for n in self.nodes):
                 self._dump_every_nodes_stacks()
-                self._finish(None)
-                return True
-            if self._lost() or any(n.failed for n in self.nodes) \
-                    or all(n.done for n in self.nodes):
+                return self._attempt_failed()
+            if self._lost() or any(n.failed for n in self.nodes):
+                return self._attempt_failed()
+            if self._errors.own_failure(self.attempt):   # a rank raised: stop every node now
+                self._mark("rank_error_seen")
+                return self._attempt_failed()
+            if all(n.done for n in self.nodes):
                 self._finish(None)
                 return True
             if self._deadline is not None and time.monotonic() > self._deadline:
@@ -201,6 +214,47 @@ class RayRun:
         with self._lock:
             if not self.finished:
                 self._finish(StopReason(reason))
+
+    def _attempt_failed(self) -> bool:
+        """This attempt failed on some node: restart the whole job while restarts are left
+        (``restarts``), else end it. True once the run has ended."""
+        if self.attempt >= self.spec.max_restarts or self.reason is not None:
+            self._finish(None)
+            return True
+        self._stop_nodes()               # every node's ranks stopped, their last files here
+        cause = restarts.attempt_cause(self.run, self.nodes, self.attempt,
+                                       self.spec.world_size, self.spec.nproc_per_node)
+        exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
+        self.history.append(AttemptRecord(self.attempt, time.time(), exits, cause))
+        self._write_job(RunState.RESTARTING)
+        if self.streamer:
+            self.streamer.pump(final=True)
+            self.streamer.write(restarts.announce(self.attempt, cause, self.spec.max_restarts))
+        failed, failed_nodes = self.attempt, self.nodes
+        self._kill_actors()
+        try:
+            if self.run.hang_json.exists():   # the next attempt's hang, if any, is its own
+                self.run.hang_json.replace(self.run.attempt_dir(failed) / "hang.json")
+            restarts.wait_placement(self.conn.ray, self.pg, self.layout.nnodes,
+                                    self.cluster.placement_timeout,
+                                    probe_resources=self.layout.probe_resources())
+            self.attempt, self._stacks_asked = failed + 1, False
+            self._start_nodes(self.conn.ray)
+        except (Exception, SystemExit) as e:
+            if not self.conn.ending():
+                if self.nodes is not failed_nodes:
+                    self._kill_actors()
+                self.history.append(AttemptRecord(failed + 1, time.time(), {},
+                                                  f"could not start on the cluster: {e}"))
+            # the job ends with the last attempt that ran, and its error
+            self.attempt, self.nodes = failed, failed_nodes
+            self._finish(None)
+            return True
+        if self.streamer:
+            for r in range(self.spec.world_size):
+                self.streamer.watch(r, self.run.rank_file(self.attempt, r, "log"))
+        self._write_job(RunState.RUNNING)
+        return False
 
     def _lost(self) -> NodeHandle | None:
         return next((n for n in self.nodes if n.lost_why is not None), None)
@@ -251,39 +305,23 @@ class RayRun:
 
     def _stop_nodes(self) -> None:
         """Stop every node still running, then collect its last files (logs, errors)."""
-        ray = self.conn.ray
-        live = [n for n in self.nodes if n.lost_why is None]
-        grace = self.spec.shutdown_grace + constants.RAY_STOP_EXTRA_S
-        stops = {n.node_rank: calls.call(n.actor.stop) for n in live}
-        for n in live:
-            try:
-                calls.get(ray, stops[n.node_rank], timeout=grace)
-            except (Exception, SystemExit) as e:
-                if not n.done:                # it was still running and did not answer
-                    n.mark_lost(ray_error_text(e))
-        for n in live:
-            if n.lost_why is not None:
-                continue
-            try:
-                for _ in range(8):            # drain: after stop() the node's files are final
-                    answer = calls.get(ray, calls.call(n.actor.poll, n.cursors),
-                                       timeout=constants.RAY_DRAIN_TIMEOUT_S)
-                    drained = answer["done"] and not answer["files"]
-                    n.absorb(answer, self.run)
-                    if drained:
-                        break
-            except (Exception, SystemExit) as e:
-                if self._lost() is None and not n.done:
-                    n.mark_lost(ray_error_text(e))
+        stop_all(self.conn.ray, self.nodes,
+                 grace=self.spec.shutdown_grace + constants.RAY_STOP_EXTRA_S)
+        self._mark("nodes_stopped")
+        drain_all(self.conn.ray, self.nodes, self.run)
+        self._mark("drained")
 
-    def _teardown(self) -> None:
-        if self.conn is None or not self.conn.alive():
-            return
+    def _kill_actors(self) -> None:
         for n in self.nodes:
             try:
                 calls.kill(self.conn.ray, n.actor)
             except (Exception, SystemExit):
                 pass
+
+    def _teardown(self) -> None:
+        if self.conn is None or not self.conn.alive():
+            return
+        self._kill_actors()
         if self.pg is not None:
             try:
                 from ray.util.placement_group import remove_placement_group
@@ -306,7 +344,8 @@ class RayRun:
         lost = self._lost()
         job = JobStatus(state=state, nodes=[n.status for n in self.nodes], timings=self.timings,
                         lost_node=lost.node_rank if lost else None,
-                        lost_why=lost.lost_why if lost else None)
+                        lost_why=lost.lost_why if lost else None, attempt=self.attempt,
+                        history=self.history)
         write_json_atomic(self.run.job_json, job.to_data())
 
     def _final_state(self) -> RunState:
@@ -317,7 +356,7 @@ class RayRun:
             return RunState.NODE_LOST
         if states and all(s is RunState.SUCCEEDED for s in states):
             return RunState.SUCCEEDED
-        if any(s is RunState.FAILED for s in states):
+        if any(s is RunState.FAILED for s in states) or self._errors.raised(self.attempt):
             return RunState.FAILED
         if any(s is RunState.AGENT_ERROR for s in states):
             return RunState.AGENT_ERROR
@@ -336,9 +375,7 @@ class RayRun:
             else RunState.FAILED
 
     def outcome(self):
-        exits: dict[int, RankExit] = {}
-        for n in self.nodes:
-            exits.update(n.status.failures)
+        exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
         broken = next((n for n in self.nodes if n.status.state is RunState.AGENT_ERROR), None)
         lost = self._lost()
         lost_node = None
@@ -350,7 +387,8 @@ class RayRun:
         if state is RunState.NODE_LOST and lost_node is None:
             state = RunState.STOPPED
         return collect.collect(
-            self.run, state=state, world_size=self.spec.world_size, attempt=0, exits=exits,
+            self.run, state=state, world_size=self.spec.world_size, attempt=self.attempt,
+            exits=exits, history=self.history,
             reason=self.reason, timeout=self.spec.timeout,
             agent_error=broken.status.error if broken else None,
             agent_traceback=broken.status.traceback if broken else "", lost=lost_node,
