@@ -17,6 +17,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from conftest import alive  # noqa: E402
+from ray_sim import simulated_cluster  # noqa: E402
 
 from gpulaunch import NodeLostError, RayCluster, distributed  # noqa: E402
 from gpulaunch import runtime as rt
@@ -37,29 +38,8 @@ NODES, SLOTS = 3, 2
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-    base = tmp_path_factory.mktemp("ray")
-    # Short socket paths (AF_UNIX limit), no token file in ~/.ray, every node's run
-    # directories under this module's temp folder.
-    tmpdir = f"/tmp/r-{os.getpid()}"
-    os.makedirs(tmpdir, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE", "GPULAUNCH_HOME")}
-    os.environ.update(RAY_TMPDIR=tmpdir, RAY_AUTH_MODE="disabled",
-                      GPULAUNCH_HOME=str(base / "nodes-home"))
-    c = Cluster(initialize_head=True,
-                head_node_args={"num_cpus": SLOTS, "include_dashboard": False})
-    for _ in range(NODES - 1):
-        c.add_node(num_cpus=SLOTS)
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with simulated_cluster(tmp_path_factory.mktemp("ray"), NODES, SLOTS, "r") as c:
+        yield c
 
 
 @pytest.fixture(autouse=True)
@@ -469,14 +449,25 @@ def test_mlp_ddp_recipe_on_two_nodes_matches_one_host(cluster, tmp_path):
 
 
 def _ray_program():
+    import os
+    import tempfile
+    import time
+
     import ray
+    gate = tempfile.mkdtemp(prefix="gl-gate-")      # the simulated nodes share this disk
 
     @ray.remote(num_cpus=SLOTS)
-    def where():
+    def where(i):
+        # hold the bundle until every task has one: a task that ended early would free its
+        # bundle for the next task, and two would then report the same node (a CI flake)
+        open(os.path.join(gate, str(i)), "w").close()
+        deadline = time.monotonic() + 120
+        while len(os.listdir(gate)) < NODES and time.monotonic() < deadline:
+            time.sleep(0.05)
         return ray.get_runtime_context().get_node_id()
 
-    # three tasks that each need a whole bundle: they land on the three reserved nodes
-    nodes = ray.get([where.remote() for _ in range(NODES)])
+    # three tasks that each need a whole bundle, all at once: they land on the three nodes
+    nodes = ray.get([where.remote(i) for i in range(NODES)])
     return len(set(nodes))
 
 

@@ -21,6 +21,7 @@ import pytest
 ray = pytest.importorskip("ray")
 
 from conftest import python_env  # noqa: E402
+from ray_sim import simulated_cluster  # noqa: E402
 
 from gpulaunch import NodeLostError, distributed  # noqa: E402
 from gpulaunch import runtime as rt  # noqa: E402
@@ -33,27 +34,8 @@ WORLD = NODES * SLOTS
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
-    from ray.cluster_utils import Cluster
-    base = tmp_path_factory.mktemp("ray")
-    tmpdir = f"/tmp/rr-{os.getpid()}"          # short socket paths (AF_UNIX limit)
-    os.makedirs(tmpdir, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE", "GPULAUNCH_HOME")}
-    os.environ.update(RAY_TMPDIR=tmpdir, RAY_AUTH_MODE="disabled",
-                      GPULAUNCH_HOME=str(base / "nodes-home"))
-    c = Cluster(initialize_head=True,
-                head_node_args={"num_cpus": SLOTS, "include_dashboard": False})
-    for _ in range(NODES - 1):
-        c.add_node(num_cpus=SLOTS)
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield c
-    ray.shutdown()
-    c.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with simulated_cluster(tmp_path_factory.mktemp("ray"), NODES, SLOTS, "rr") as c:
+        yield c
 
 
 def _cluster_free(wait: float = 60.0) -> bool:

@@ -11,6 +11,8 @@ import pytest
 
 ray = pytest.importorskip("ray")
 
+from ray_sim import simulated_cluster  # noqa: E402
+
 from gpulaunch import distributed  # noqa: E402
 from gpulaunch.common.rundir import RunDir  # noqa: E402
 
@@ -19,25 +21,9 @@ pytestmark = pytest.mark.slow
 
 @pytest.fixture(scope="module")
 def two_nodes(tmp_path_factory):
-    from ray.cluster_utils import Cluster
     base = tmp_path_factory.mktemp("ray2")
-    tmpdir = f"/tmp/r2-{os.getpid()}"
-    os.makedirs(tmpdir, exist_ok=True)
-    saved = {k: os.environ.get(k) for k in ("RAY_TMPDIR", "RAY_AUTH_MODE", "GPULAUNCH_HOME")}
-    os.environ.update(RAY_TMPDIR=tmpdir, RAY_AUTH_MODE="disabled",
-                      GPULAUNCH_HOME=str(base / "nodes-home"))
-    c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    c.add_node(num_cpus=1)
-    ray.init(address=c.address)
-    c.wait_for_nodes()
-    yield base / "nodes-home"
-    ray.shutdown()
-    c.shutdown()
-    for k, v in saved.items():
-        if v is None:
-            os.environ.pop(k, None)
-        else:
-            os.environ[k] = v
+    with simulated_cluster(base, 2, 1, "r2"):
+        yield base / "nodes-home"
 
 
 def _where():

@@ -182,11 +182,7 @@ def _call_and_record(run: RunDir, rank: int, host: str) -> None:
     try:
         results.write(result_file, result)
     except Exception as e:  # noqa: BLE001 - an unpicklable return value is this rank's failure
-        from ..errors import SerializationError
-        err = SerializationError(
-            f"Rank {rank} returned a {type(result).__module__}.{type(result).__qualname__} that "
-            f"cannot be pickled ({e}). Return plain data (numbers, dicts, lists, tensors, "
-            "state_dicts) instead.")
+        err = results.unpicklable_error(rank, result, e)
         tb = "".join(traceback.format_exception(type(err), err, None))
         sys.stderr.write(tb)
         _write_bytes_atomic(error_file, _pickle(exception_record(

@@ -56,3 +56,12 @@ def dumps(value) -> bytes:
     buf = io.BytesIO()
     _ResultPickler(buf, protocol=5).dump(value)
     return buf.getvalue()
+
+
+def unpicklable_error(rank: int, result, cause: Exception):
+    """The rank's failure when its return value cannot be pickled: what it was, and the fix."""
+    from ..errors import SerializationError
+    return SerializationError(
+        f"Rank {rank} returned a {type(result).__module__}.{type(result).__qualname__} that "
+        f"cannot be pickled ({cause}). Return plain data (numbers, dicts, lists, tensors, "
+        "state_dicts) instead.")

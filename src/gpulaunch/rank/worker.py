@@ -272,11 +272,7 @@ def main(argv: list[str]) -> None:
         # rank's device) to read a result; written straight to the file, not built in memory.
         results.write(run.rank_file(attempt, rank, "result.pkl"), result)
     except Exception as e:  # an unpicklable return value is this rank's failure
-        from ..errors import SerializationError
-        err = SerializationError(
-            f"Rank {rank} returned a {type(result).__module__}.{type(result).__qualname__} that "
-            f"cannot be pickled ({e}). Return plain data (numbers, dicts, lists, tensors, "
-            "state_dicts) instead.")
+        err = results.unpicklable_error(rank, result, e)
         tb = "".join(traceback.format_exception(type(err), err, None))
         sys.stderr.write(tb)
         record = exception_record(err, rank=rank, host=host, tb=tb, time=time.time())
