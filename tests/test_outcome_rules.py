@@ -23,6 +23,8 @@ from gpulaunch.common.records import (
 )
 from gpulaunch.hardware.catalog import GPUType
 
+pytestmark = pytest.mark.unit
+
 
 def _error(rank, exc, *, collateral=False, at=0.0) -> RankError:
     return RankError(type=f"builtins.{type(exc).__name__}", message=str(exc), traceback="tb\n",
