@@ -19,8 +19,9 @@ def gpulaunch_home(tmp_path, monkeypatch):
     monkeypatch.setenv("GPULAUNCH_HOME", str(tmp_path / "gpulaunch-home"))
     monkeypatch.setenv("GPULAUNCH_FORCE_CPU", "1")
     monkeypatch.setenv("GPULAUNCH_QUIET", "1")
-    # MLflow tracking is on by default when mlflow is installed; tests opt in (test_tracking.py)
-    # so the rest of the suite does not pay an MLflow import and a store per launch.
+    # MLflow tracking is on by default when mlflow is installed; tests opt in
+    # (tests/tracking/test_tracking.py) so the rest of the suite does not pay an MLflow import
+    # and a store per launch.
     monkeypatch.setenv("GPULAUNCH_TRACKING", "0")
     yield tmp_path / "gpulaunch-home"
 
