@@ -93,10 +93,7 @@ def _choose_auto(model: nn.Module, device: torch.device, mixed_precision, **plan
 
 def _choose_by_memory(model, device, mixed_precision, world, **planner_kwargs) -> tuple[str, str, bool]:
     """(strategy, reason, whether it fits only with CPU offload)."""
-    try:
-        from gpulaunch.planner import choose_strategy  # type: ignore
-    except ImportError:
-        choose_strategy = None
+    from gpulaunch.planner import choose_strategy  # ours: a failure here is a bug to see
     if choose_strategy is not None:
         # ranks per node: the launcher's LOCAL_WORLD_SIZE, else (a group built by hand) one node
         local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
