@@ -63,6 +63,7 @@ class _Job:
     epoch: int
     assignment: Assignment
     rank: int
+    skip: int = 0             # batches of the assignment already handed out before a restart
 
 
 class StreamingDataset(IterableDataset):
@@ -127,10 +128,12 @@ class StreamingDataset(IterableDataset):
         return EpochOrder(self.source.block_rows, seed=self.seed, epoch=epoch,
                           shuffle=self.shuffle, shuffle_rows=self.shuffle_rows)
 
-    def with_job(self, epoch: int, assignment: Assignment, rank: int) -> StreamingDataset:
-        """A shallow copy that reads ``rank``'s batches of ``assignment`` (what workers get)."""
+    def with_job(self, epoch: int, assignment: Assignment, rank: int,
+                 skip: int = 0) -> StreamingDataset:
+        """A shallow copy that reads ``rank``'s batches of ``assignment`` after the first
+        ``skip`` (what workers get)."""
         ds = copy.copy(self)
-        ds._job = _Job(epoch, assignment, rank)
+        ds._job = _Job(epoch, assignment, rank, skip)
         return ds
 
     # ------------------------------------------------------------------ reading
@@ -155,7 +158,7 @@ class StreamingDataset(IterableDataset):
 
     def _batches(self, job: _Job, worker: int | None, collate_rows: bool = False):
         order = self.order(job.epoch)
-        batches = list(job.assignment.batches(job.rank, worker))
+        batches = list(job.assignment.batches(job.rank, worker, job.skip))
         reader = _BlockReader(self.source, keep=2 * order.max_window_blocks + 4,
                               threads=self.read_threads)
         try:
@@ -206,28 +209,32 @@ class _BlockReader:
         self.pool = ThreadPoolExecutor(max(1, threads), thread_name_prefix="gpulaunch-data")
         self.blocks: OrderedDict[int, object] = OrderedDict()
 
-    def prefetch(self, ids) -> None:
+    def prefetch(self, ids) -> dict:
+        """Start reading blocks ``ids`` (those not held); return their futures."""
+        futures = {}
         for b in ids:
             b = int(b)
             if b in self.blocks:
                 self.blocks.move_to_end(b)
             else:
                 self.blocks[b] = self.pool.submit(self.source.read_block, b)
+            futures[b] = self.blocks[b]
         while len(self.blocks) > self.keep:
             self.blocks.popitem(last=False)
+        return futures
 
     def take(self, block_ids: np.ndarray, rows: np.ndarray):
         import pyarrow as pa
 
         ids = np.unique(block_ids)
-        self.prefetch(ids)
+        futures = self.prefetch(ids)
         if len(ids) == 1:
-            return self.blocks[int(ids[0])].result().take(pa.array(rows))
+            return futures[int(ids[0])].result().take(pa.array(rows))
         parts, index = [], np.empty(len(rows), np.int64)
         done = 0
         for b in ids:
             sel = np.flatnonzero(block_ids == b)
-            parts.append(self.blocks[int(b)].result().take(pa.array(rows[sel])))
+            parts.append(futures[int(b)].result().take(pa.array(rows[sel])))
             index[sel] = np.arange(done, done + len(sel))
             done += len(sel)
         table = pa.concat_tables(parts, promote_options="default")

@@ -118,11 +118,16 @@ class StreamingLoader:
     def state_dict(self) -> dict:
         rest = self._pass.remaining_after(self._consumed) if self._pass is not None \
             else self._remaining
-        epoch = self.epoch
+        epoch, current = self.epoch, None
         if rest == []:                      # the epoch is over: the next one, from its start
             epoch, rest = epoch + 1, None
+        elif self._pass is not None:        # same shape on restore: the very same batches
+            p = self._pass
+            current = {"base": [list(r) for r in p.remaining], "world_size": p.world_size,
+                       "num_workers": p.num_workers, "batch_size": p.batch_size,
+                       "drop_last": p.drop_last, "consumed": self._consumed}
         return {"epoch": epoch, "remaining": None if rest is None else [list(r) for r in rest],
-                "num_rows": self.dataset.num_rows, "seed": self.dataset.seed,
+                "pass": current, "num_rows": self.dataset.num_rows, "seed": self.dataset.seed,
                 "shuffle": self.dataset.shuffle, "version": self.dataset.version}
 
     def load_state_dict(self, state: dict) -> None:
@@ -140,15 +145,24 @@ class StreamingLoader:
         rest = state.get("remaining")
         self._remaining = None if rest is None else merge(tuple(r) for r in rest)
         self._pass, self._consumed = None, 0
+        p = state.get("pass")
+        if p and (p["world_size"], p["num_workers"], p["batch_size"], p["drop_last"]) == (
+                self.world_size, max(1, self.num_workers), self.batch_size, self.drop_last):
+            # the shape it was saved at: continue that pass, batch for batch
+            self._pass = Assignment([tuple(r) for r in p["base"]], self.world_size,
+                                    self.num_workers, self.batch_size, self.drop_last)
+            self._consumed = int(p["consumed"])
 
     # ------------------------------------------------------------------ iteration
     def __iter__(self):
-        self._settle()
-        if self._remaining == []:           # finished: the next pass is the next epoch
-            self.set_epoch(self.epoch + 1)
-        plan = self._plan()
-        self._pass, self._consumed = plan, 0
-        ds = self.dataset.with_job(self.epoch, plan, self.rank)
+        if self._pass is not None and self._consumed >= self._pass.num_batches:
+            self._settle()
+        if self._pass is None:
+            if self._remaining == []:       # finished: the next pass is the next epoch
+                self.set_epoch(self.epoch + 1)
+            self._pass, self._consumed = self._plan(), 0
+        plan, skip = self._pass, self._consumed   # a pass left early goes on where it stopped
+        ds = self.dataset.with_job(self.epoch, plan, self.rank, skip)
         if self.num_workers == 0:
             batches = iter(ds)
             if self.pin_memory:

@@ -191,14 +191,16 @@ class Assignment:
         parts = [np.arange(lo, hi, dtype=np.int64) for lo, hi in self._to_ranges(a, b)]
         return np.concatenate(parts) if parts else np.empty(0, np.int64)
 
-    def batches(self, rank: int, worker: int | None = None):
-        """The rank's batches in the order the training loop sees them (or one worker's)."""
+    def batches(self, rank: int, worker: int | None = None, skip: int = 0):
+        """The rank's batches in the order the training loop sees them (or one worker's),
+        after the first ``skip``. A pass that skips asks its workers round robin from worker
+        0 again, so worker w then builds batches j with (j - skip) % num_workers == w."""
         s, _ = self.share(rank)
         regions = self._regions(rank)
         nb = self.num_batches
-        for j in range(nb):
+        for j in range(skip, nb):
             w = j % self.num_workers
-            if worker is not None and w != worker:
+            if worker is not None and (j - skip) % self.num_workers != worker:
                 continue
             start, sizes = regions[w]
             i = j // self.num_workers
