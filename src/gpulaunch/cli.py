@@ -318,6 +318,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
     from .backends.local import pool_cli
     pool_cli.add_parser(sub)
+    from .jobs import command as job_cli
+    job_cli.add_parser(sub)
     planner = None
     try:
         from .planner import cli as planner
@@ -326,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         planner = None
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
-                "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug}
+                "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug,
+                "job": job_cli.main}
     try:
         if args.command == "plan" and planner is not None:
             return planner.main(args)
