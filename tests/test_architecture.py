@@ -33,7 +33,7 @@ LAYERS = {
     "planner": {"hardware"},
     # jobs sit above the launch pipeline: they build its options and run it, never inside it
     "jobs": {"common", "hardware", "options", "option_checks", "caller", "tracking", "api",
-             "backends"},
+             "backends", "cli_nodes"},
 }
 
 
