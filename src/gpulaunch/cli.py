@@ -328,16 +328,19 @@ def build_parser() -> argparse.ArgumentParser:
     pool_cli.add_parser(sub)
     from .planner import command as planner
     planner.add_parser(sub)
+    from .jobs import command as job_cli
+    job_cli.add_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     from .backends.local import pool_cli
+    from .jobs import command as job_cli
     from .planner import command as planner
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
                 "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug,
-                "plan": planner.main}
+                "plan": planner.main, "job": job_cli.main}
     try:
         return handlers[args.command](args)
     except errors.UserError as e:
