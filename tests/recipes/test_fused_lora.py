@@ -116,28 +116,38 @@ def test_bf16_base_with_fp32_adapters_runs_in_bf16():
         assert cos > 0.98, (n, float(cos))
 
 
-def test_falls_back_to_peft_where_the_fused_maths_would_differ():
+def test_dropout_takes_the_split_form_and_the_same_mask_as_peft(monkeypatch):
+    fallbacks = []
+    peft_forward = fused_lora.PeftLoraLinear.forward
+
+    def counting(self, *a, **kw):
+        if isinstance(self, FusedLoraLinear):
+            fallbacks.append(1)
+        return peft_forward(self, *a, **kw)
+
+    monkeypatch.setattr(fused_lora.PeftLoraLinear, "forward", counting)
     base = tiny_base(layers=1)
     plain_logits = base(input_ids=batch()).logits.detach()
     ref = lora_model(base, dropout=0.1)
     fast = copy.deepcopy(ref)
     fuse_lora(fast)
     ids = batch()
-    # dropout active in training: peft's own forward (same random mask with the same seed)
-    for m in (ref, fast):
-        m.train()
+    # dropout active in training: the split form, with peft's dropout module (same mask)
+    ref.train(), fast.train()
     torch.manual_seed(5)
     a = ref(input_ids=ids).logits
     torch.manual_seed(5)
     b = fast(input_ids=ids).logits
-    torch.testing.assert_close(b, a)
-    # eval mode: dropout is off, the fused path runs and matches
+    torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+    # eval mode: dropout is off, the merged form runs and matches
     ref.eval(), fast.eval()
     torch.testing.assert_close(fast(input_ids=ids).logits, ref(input_ids=ids).logits,
                                rtol=1e-5, atol=1e-5)
-    # adapters disabled: the base model's logits
+    assert not fallbacks
+    # adapters disabled: peft's own forward, i.e. the base model's logits
     with fast.disable_adapter():
         torch.testing.assert_close(fast(input_ids=ids).logits, plain_logits, rtol=1e-5, atol=1e-5)
+    assert len(fallbacks) == 7
 
 
 def test_unfusable_modules_are_reported_not_fused():

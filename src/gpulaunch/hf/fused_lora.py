@@ -4,7 +4,7 @@ peft's ``lora.Linear.forward`` computes ``base(x) + lora_B(lora_A(dropout(x))) *
 three module calls, a loop over adapters and, when the adapters are fp32 beside a bf16 base (peft's
 default, ``autocast_adapter_dtype=True``), an fp32 copy of every activation and fp32 rank-r
 matmuls. ``fuse_lora(model)`` swaps the class of each LoRA linear that has one plain adapter
-(no DoRA or other variant, no LoRA bias, dropout 0 or in eval mode) for a subclass whose forward
+(no DoRA or other variant, no LoRA bias) for a subclass whose forward
 does the same maths in the activations' dtype, in one of two forms:
 
 - ``"merged"`` (default): ``y = x @ (W + s B A)^T + b`` -- one big matmul a layer instead of
@@ -13,14 +13,15 @@ does the same maths in the activations' dtype, in one of two forms:
   ``dA = s (g B)^T x``. The merged weight is rebuilt in the backward (a rank-r product,
   cheap) rather than kept, so memory stays as peft's.
 - ``"split"``: ``y = x @ W^T + b + s (x @ A^T) @ B^T`` as plain tensor ops, for the compiler to
-  fuse.
+  fuse. LoRA dropout (``lora_dropout > 0`` while training) always takes this form: the dropped
+  input only reaches the adapter, so it cannot be merged into ``W``.
 
 Nothing else changes: the parameters (``lora_A.<name>.weight``, ``lora_B.<name>.weight``) are
 the same objects, so ``state_dict``, ``save_pretrained`` and the optimizer see exactly what peft
 gives them, and adapters trained fused load back in plain peft. A module falls back to peft's own
 forward, call by call, whenever the fused maths would not be the same: adapters disabled or
-merged, another adapter active, extra forward arguments, dropout active in training, or weights
-still sharded (an FSDP2 unit around the adapter itself).
+merged, another adapter active, extra forward arguments, or weights still sharded (an FSDP2 unit
+around the adapter itself).
 """
 
 from __future__ import annotations
@@ -100,19 +101,22 @@ class _FusedForward:
         lora_b = self.lora_B[name].weight
         if (args or kwargs or self.disable_adapters or self.merged
                 or self.active_adapters != [name]
-                or (self.training and isinstance(dropout, nn.Dropout) and dropout.p > 0)
                 or _is_sharded(lora_a) or _is_sharded(lora_b) or _is_sharded(base.weight)):
             return super().forward(x, *args, **kwargs)
         dtype = _compute_dtype(x)
+        # dropout on the adapter's input cannot be merged into W: the split form then, with
+        # peft's own dropout module (the same random mask peft would draw)
+        dropping = self.training and isinstance(dropout, nn.Dropout) and dropout.p > 0
         with torch.autocast(x.device.type, enabled=False):
             x = x.to(dtype)
             weight = base.weight.to(dtype)
             bias = None if base.bias is None else base.bias.to(dtype)
             a, b = lora_a.to(dtype), lora_b.to(dtype)
             scale = self.scaling[name]
-            if self._gpulaunch_fuse_mode == "merged":
+            if self._gpulaunch_fuse_mode == "merged" and not dropping:
                 return lora_linear_merged(x, weight, bias, a, b, scale)
-            return F.linear(x, weight, bias) + F.linear(F.linear(x, a), b) * scale
+            xa = dropout(x) if dropping else x
+            return F.linear(x, weight, bias) + F.linear(F.linear(xa, a), b) * scale
 
 
 class FusedLoraLinear(_FusedForward, PeftLoraLinear):
