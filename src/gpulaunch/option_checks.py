@@ -147,7 +147,28 @@ def cli_seconds(text: str) -> float | None:
 
 
 def cli_count(text: str) -> int | None:
-    return None if text.strip().lower() in ("auto", "gpu", "all", "none") else int(text)
+    """``--gpus`` / ``--nproc-per-node``: a number, or torchrun's words: ``gpu`` (every GPU
+    here), ``cpu`` (one rank per CPU core), ``auto`` (every GPU, else one rank per core)."""
+    word = text.strip().lower()
+    if word in ("all", "none"):
+        return None
+    if word in ("gpu", "cpu", "auto"):
+        import os
+
+        from .hardware import host
+        gpus = len(host.detect().gpus) if word != "cpu" else 0
+        if word == "gpu" and not gpus:
+            raise ConfigurationError("--nproc-per-node gpu: this host has no GPU (give a number, "
+                                     "or cpu for one rank per CPU core)")
+        return gpus or os.cpu_count() or 1
+    if word == "xpu":
+        raise ConfigurationError("--nproc-per-node xpu is not supported: gpulaunch runs on "
+                                 "NVIDIA GPUs or CPU workers")
+    try:
+        return int(word)
+    except ValueError:
+        raise ConfigurationError(f"--nproc-per-node {text!r}: give a number, gpu, cpu or "
+                                 "auto") from None
 
 
 def cli_env(items: list[str]) -> dict[str, str]:
