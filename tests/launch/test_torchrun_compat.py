@@ -138,3 +138,14 @@ def test_log_dir_redirects_and_filters_as_torchrun_lays_them_out(script, tmp_pat
         out = (job / "attempt_0" / str(r) / "stdout.log").read_text()
         assert json.loads(out)["rank"] == r
     assert len((job / "attempt_0" / "filtered_stdout.log").read_text().splitlines()) == 2
+
+
+@pytest.mark.slow
+def test_the_error_file_that_record_writes_is_read_by_the_launcher(script):
+    """A command gpulaunch does not wrap (--no-python): its failure reaches the caller through
+    torchelastic's error file, as torchrun reads it."""
+    bad = launch("gpulaunch", script, "--fail", flags=["--nproc-per-node", "2", "--no-python",
+                                                        sys.executable])
+    assert bad.returncode != 0
+    assert "torchelastic error file" in bad.stderr and "boom on rank 1" in bad.stderr, \
+        bad.stderr[-3000:]

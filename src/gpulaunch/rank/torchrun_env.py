@@ -12,7 +12,7 @@ every rank (cold) and of every call served by a warm rank, after its output is o
   carry no mark and are shown with stdout.
 * **torchelastic's error file.** ``TORCHELASTIC_ERROR_FILE`` points into the attempt's folder, so
   ``@record`` (torch.distributed.elastic.multiprocessing.errors) writes the failure there, and
-  the caller reads it when a rank leaves no other record (``error_file_message``).
+  the caller reads it when a rank leaves no other record (``caller.collect``).
 * **torchrun's role name**: ``ROLE_NAME`` is ``--role`` (``default`` unless given).
 * **A findable process.** The process title is the rank's command line
   (``python -u train.py --lr 3``), so ``ps`` and ``pgrep -f train.py`` find the ranks.
@@ -21,7 +21,6 @@ every rank (cold) and of every call served by a warm rank, after its output is o
 from __future__ import annotations
 
 import io
-import json
 import os
 import sys
 
@@ -111,18 +110,3 @@ def set_title(kind: str, argv: list[str], rank: int) -> None:
     else:
         return                      # exec: execvp gives the program its own command line
     setproctitle.setproctitle(" ".join(title))
-
-
-def error_file_message(path) -> str | None:
-    """The message an ``@record``-decorated program left in its torchelastic error file."""
-    try:
-        with open(path) as f:
-            data = json.load(f)
-    except (OSError, ValueError):
-        return None
-    message = data.get("message") if isinstance(data, dict) else None
-    if isinstance(message, dict):
-        text = message.get("message") or ""
-        stack = (message.get("extraInfo") or {}).get("py_callstack") or ""
-        return f"{text}\n{stack}".strip() or None
-    return str(message) if message else None
