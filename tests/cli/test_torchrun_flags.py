@@ -13,6 +13,8 @@ from gpulaunch import cli, cli_torchrun, errors, options
 from gpulaunch.caller import logstream
 from gpulaunch.tracking import Tracking
 
+pytestmark = pytest.mark.unit
+
 # a value torchrun itself would accept, per flag that takes one
 SAMPLE = {"nnodes": "1", "nproc_per_node": "2", "rdzv_backend": "c10d",
           "rdzv_endpoint": "localhost:5972", "rdzv_id": "101", "rdzv_conf": "join_timeout=30",
