@@ -81,6 +81,16 @@ def env(value) -> tuple[tuple[str, str], ...]:
     if pairs is None or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
         raise ConfigurationError("env must be a dict of str -> str (environment variables for "
                                  f"the ranks); got {value!r}.")
+    for k, v in pairs:
+        why = ("is empty" if not k else "contains '='" if "=" in k else
+               "contains a NUL byte" if "\0" in k else None)
+        if why:
+            raise ConfigurationError(f"env: the variable name {k!r} {why}, which no environment "
+                                     "can hold; give names like MY_VAR (env={'MY_VAR': 'value'})")
+        if "\0" in v:
+            raise ConfigurationError(f"env: the value of {k} contains a NUL byte, which no "
+                                     "environment can hold; remove it (or pass the data as an "
+                                     "argument of the function)")
     return pairs
 
 
@@ -160,7 +170,7 @@ def cli_count(text: str) -> int | None:
         if word == "gpu" and not gpus:
             raise ConfigurationError("--nproc-per-node gpu: this host has no GPU (give a number, "
                                      "or cpu for one rank per CPU core)")
-        return gpus or os.cpu_count() or 1
+        return None if gpus else os.cpu_count() or 1   # None: every GPU, resolved at launch
     if word == "xpu":
         raise ConfigurationError("--nproc-per-node xpu is not supported: gpulaunch runs on "
                                  "NVIDIA GPUs or CPU workers")
