@@ -182,8 +182,8 @@ class Replicated:
 
 
 def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0,
-               quorum_timeout: float = 60.0, state: dict | None = None,
-               lighthouse: str | None = None) -> Replicated:
+               quorum_timeout: float = 60.0, quorum_retries: int = 5,
+               state: dict | None = None, lighthouse: str | None = None) -> Replicated:
     """Put ``model`` and ``optimizer`` under torchft's Manager for this replica group.
 
     Args:
@@ -195,6 +195,8 @@ def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0
             peer that vanished mid-step costs at most this.
         quorum_timeout: seconds a group waits for a quorum (a restarted group waits here for
             its peers' next step).
+        quorum_retries: times a quorum request is retried when the lighthouse fails (a
+            restarted lighthouse is back in well under a second).
         state: more objects with ``state_dict()`` / ``load_state_dict()`` (an lr scheduler, a
             data loader's position) sent with the weights to a healing group, by name.
         lighthouse: the lighthouse address; default ``$TORCHFT_LIGHTHOUSE`` (set by
@@ -246,7 +248,7 @@ def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0
         pg=pg, min_replica_size=min_replicas, load_state_dict=load_state_dict,
         state_dict=state_dict, replica_id=f"gpulaunch_replica_{replica_id()}",
         lighthouse_addr=address, timeout=pg_timeout,
-        quorum_timeout=timedelta(seconds=quorum_timeout),
+        quorum_timeout=timedelta(seconds=quorum_timeout), quorum_retries=quorum_retries,
         connect_timeout=timedelta(seconds=max(timeout, 10.0)),
         # advertise an address the peers can reach: loopback on one host
         **({"hostname": "127.0.0.1"} if host in ("127.0.0.1", "localhost", "::1") else {}))
