@@ -240,7 +240,7 @@ def cmd_debug(args) -> int:
 def cmd_doctor(args) -> int:
     import platform
     host = hardware.detect()
-    print(f"gpulaunch   {__import__('gpulaunch').__version__}")
+    print(f"gpulaunch   {_version()}")
     print(f"python      {platform.python_version()} ({sys.executable})")
     try:
         import torch
@@ -293,8 +293,14 @@ def cmd_doctor(args) -> int:
     return 0
 
 
+def _version() -> str:
+    from . import __version__
+    return __version__
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="gpulaunch", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--version", action="version", version=f"gpulaunch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_run(sub)
     p = sub.add_parser("runs", help="list recent runs")
@@ -318,18 +324,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
     from .backends.local import pool_cli
     pool_cli.add_parser(sub)
-    planner = None
-    try:
-        from .planner import cli as planner
-        planner.add_parser(sub)
-    except ImportError:
-        planner = None
+    from .planner import command as planner
+    planner.add_parser(sub)
     args = parser.parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
-                "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug}
+                "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug,
+                "plan": planner.main}
     try:
-        if args.command == "plan" and planner is not None:
-            return planner.main(args)
         return handlers[args.command](args)
     except errors.UserError as e:
         print(f"gpulaunch: error: {e}", file=sys.stderr)

@@ -118,7 +118,7 @@ def test_results_are_streamed_to_the_file_not_built_in_memory(tmp_path):
     # a value whose pickle is written in pieces: the file grows while the pickler runs
     code = textwrap.dedent(f"""
         import os, sys
-        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[1] / 'src')!r})
+        sys.path.insert(0, {str(__import__('pathlib').Path(__file__).parents[2] / 'src')!r})
         from pathlib import Path
         from gpulaunch.rank import results
         target = Path({str(tmp_path / 'r.pkl')!r})

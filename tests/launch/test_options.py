@@ -21,6 +21,8 @@ from gpulaunch.hardware.catalog import GPUType
 from gpulaunch.hardware.host import GPUInfo, HostInfo
 from gpulaunch.options import LaunchOptions, add_cli_arguments, build, from_cli
 
+pytestmark = pytest.mark.unit
+
 H200 = HostInfo(gpus=tuple(GPUInfo(i, "NVIDIA H200", 143 << 30) for i in range(8)),
                 cpu_count=128, source="nvml")
 LAPTOP = HostInfo(gpus=(), cpu_count=8, source="none")

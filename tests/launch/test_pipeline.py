@@ -1,7 +1,7 @@
 """Every entry point goes through one launch pipeline (caller/pipeline.py), so a setting reaches
 the ranks the same way whether it came from the decorator, ``submit()`` or ``gpulaunch run``
 (real launches, 2 CPU ranks). The settings' derived forms themselves are unit-tested in
-test_options.py."""
+tests/launch/test_options.py."""
 
 from __future__ import annotations
 

@@ -145,7 +145,7 @@ def test_hang_watchdog_reports_every_rank_stack(gpulaunch_home):
     assert set(err.stacks) == {0, 1}
     assert "dist.all_reduce(t)" in err.stacks[0]         # the line rank 0 was waiting on
     assert "time.sleep(3600)" in err.stacks[1]           # and rank 1's
-    assert "test_reliability.py" in err.stacks[0]
+    assert "test_faults.py" in err.stacks[0]
     assert "made no progress for" in str(err)
     assert_no_survivors(latest_run_dir(gpulaunch_home))
 

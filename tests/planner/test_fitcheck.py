@@ -29,6 +29,7 @@ def verdict(plan, n=8, **host_kw):
     return fitcheck.check_launch(fitcheck.validate(plan), resolve(LaunchOptions(gpus=n), h), h)
 
 
+@pytest.mark.unit
 def test_fitting_strategy_passes_with_its_predicted_peak():
     v = verdict({"model": "llama-3.1-8b", "strategy": "fsdp", "seq_len": 2048})
     assert v.fits and v.strategy == "fsdp"
@@ -36,6 +37,7 @@ def test_fitting_strategy_passes_with_its_predicted_peak():
     assert "fsdp fits on 8 x H100" in v.message
 
 
+@pytest.mark.unit
 def test_strategy_that_does_not_fit_is_refused_naming_what_would():
     # 8B params under DDP: 16 bytes/param = 128 GB per GPU > 80 GB, whatever the activations.
     with pytest.raises(WontFitError) as e:
@@ -48,22 +50,26 @@ def test_strategy_that_does_not_fit_is_refused_naming_what_would():
     assert peak > 8.03e9 * 16 / GiB            # at least the model states, by hand
 
 
+@pytest.mark.unit
 def test_nothing_fits_is_refused_even_without_a_strategy():
     with pytest.raises(WontFitError, match="nothing fits on 1 x H100"):
         verdict({"model": "llama-3.1-70b", "offload": False}, n=1)  # 70B x 16 B on 80 GB: no
 
 
+@pytest.mark.unit
 def test_no_strategy_reports_the_planners_pick():
     v = verdict({"model": "llama-3.2-1b", "seq_len": 1024})
     assert v.fits and v.recommended == v.strategy
 
 
+@pytest.mark.unit
 def test_on_fail_warn_launches_anyway():
     with pytest.warns(UserWarning, match="ddp does not fit"):
         v = verdict({"model": "llama-3.1-8b", "strategy": "ddp", "on_fail": "warn"})
     assert not v.fits
 
 
+@pytest.mark.unit
 def test_smallest_gpu_of_a_mixed_host_is_the_one_checked():
     mixed = HostInfo(gpus=(GPUInfo(0, "NVIDIA H200", 143771 << 20), GPUInfo(1, "NVIDIA H100 80GB HBM3", H100)),
                      cpu_count=32, source="nvml")
@@ -71,11 +77,13 @@ def test_smallest_gpu_of_a_mixed_host_is_the_one_checked():
     assert abs(v.gpu_gib - H100 / GiB) < 0.01
 
 
+@pytest.mark.unit
 def test_cpu_workers_are_not_checked():
     cpu = HostInfo(gpus=(), cpu_count=2, source="none")
     assert fitcheck.check_launch({"model": "llama-3.1-70b", "strategy": "ddp"}, resolve(LaunchOptions(gpus=2), cpu), cpu) is None
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("plan, match", [
     ({"strategy": "fsdp"}, "at least 'model'"),
     ("llama-3.1-8b", "takes a dict"),
@@ -89,6 +97,7 @@ def test_bad_plan_is_refused_at_decoration(plan, match):
         distributed(gpus=2, plan=plan)(lambda: None)
 
 
+@pytest.mark.unit
 def test_unknown_model_name_is_a_clear_error():
     with pytest.raises(ConfigurationError, match="unknown model 'llama-9'"):
         verdict({"model": "llama-9", "strategy": "ddp"})

@@ -1,5 +1,5 @@
 """Unit tests of what crosses process boundaries and of the root-cause rules (pure: no
-process, no file; seconds). The end-to-end fault matrix is in test_reliability.py."""
+process, no file; seconds). The end-to-end fault matrix is in tests/faults/test_faults.py."""
 
 from __future__ import annotations
 
@@ -22,6 +22,8 @@ from gpulaunch.common.records import (
     StopReason,
 )
 from gpulaunch.hardware.catalog import GPUType
+
+pytestmark = pytest.mark.unit
 
 
 def _error(rank, exc, *, collateral=False, at=0.0) -> RankError:

@@ -5,11 +5,14 @@ before any launch misbehaves."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 from gpulaunch.backends.local import elastic_compat
 from gpulaunch.common.records import RankExit
+
+pytestmark = pytest.mark.unit
 
 
 def test_every_private_name_the_agent_uses_exists_in_this_torch():

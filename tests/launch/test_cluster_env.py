@@ -9,6 +9,8 @@ from gpulaunch.caller import cluster_env, netroute
 from gpulaunch.caller.cluster_env import ClusterEnv, detect, parse_nodelist, split_endpoint
 from gpulaunch.errors import ConfigurationError
 
+pytestmark = pytest.mark.unit
+
 
 @pytest.mark.parametrize("text, hosts", [
     ("node01", ["node01"]),

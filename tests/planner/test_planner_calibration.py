@@ -10,6 +10,8 @@ from gpulaunch.planner import ModelShape
 from gpulaunch.planner import activations as act
 from gpulaunch.planner.training_setup import TrainingSetup
 
+pytestmark = pytest.mark.unit
+
 torch = pytest.importorskip("torch")
 transformers = pytest.importorskip("transformers")
 

@@ -1,5 +1,5 @@
 """Stacks on demand for a multi-node job: 4 ranks on 2 simulated Ray nodes (the real local Ray
-cluster of tests/test_ray.py); each node's agent signals its ranks, the dumps come back through
+cluster of tests/ray/test_ray.py); each node's agent signals its ranks, the dumps come back through
 the run's mirror."""
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ def test_exception_keeps_its_type_and_carries_rank_traceback():
     assert isinstance(cause, gpulaunch.errors.RemoteTraceback)
     assert "rank 1" in str(cause)
     assert 'raise ValueError("bad value on rank one")' in str(cause)  # the source line
-    assert "test_core.py" in str(cause)                                 # the real file name
+    assert "test_launch.py" in str(cause)                                 # the real file name
 
 
 def test_wrong_arguments_fail_before_anything_starts(gpulaunch_home):

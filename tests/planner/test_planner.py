@@ -14,6 +14,7 @@ from gpulaunch.planner.training_setup import TrainingSetup
 GiB = 1 << 30
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("name,published,tol", [
     ("llama-3.2-1b", 1.236e9, 0.002), ("llama-3.2-3b", 3.21e9, 0.003), ("llama-3.1-8b", 8.03e9, 0.002),
     ("gpt-oss-20b", 20.9e9, 0.003), ("gpt-oss-120b", 116.8e9, 0.002), ("olmo-3-7b", 7.3e9, 0.01),
@@ -23,11 +24,13 @@ def test_catalog_matches_published_parameter_counts(name, published, tol):
     assert abs(CATALOG[name].total_params - published) <= tol * published
 
 
+@pytest.mark.unit
 def test_moe_active_parameters_match_published():
     assert abs(CATALOG["gpt-oss-20b"].active_params - 3.6e9) < 0.02 * 3.6e9
     assert abs(CATALOG["gpt-oss-120b"].active_params - 5.1e9) < 0.02 * 5.1e9
 
 
+@pytest.mark.unit
 def test_ddp_fp32_mlp_by_hand():
     # 4929 params, fp32, AdamW foreach: params 4P, grads 4P, m+v 8P, DDP buckets 4P; the optimizer step
     # holds all of it plus one P-sized foreach temporary: 24P + workspace. No activations modelled.
@@ -38,12 +41,14 @@ def test_ddp_fp32_mlp_by_hand():
     assert e.peak_allocated == 24 * P + ALLOC_WORKSPACE
 
 
+@pytest.mark.unit
 def test_fused_optimizer_has_no_step_temporary():
     P = 4929
     e = plan("recipe-mlp", precision="fp32", optimizer_impl="fused", gpu="A10", strategies=["ddp"]).estimate("ddp")
     assert e.peak_allocated == 20 * P + ALLOC_WORKSPACE
 
 
+@pytest.mark.unit
 def test_zero3_model_states_shard_over_gpus():
     shape = CATALOG["llama-3.1-8b"]
     P = shape.total_params
@@ -57,6 +62,7 @@ def test_zero3_model_states_shard_over_gpus():
 
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("precision,c", [("bf16", 2), ("fp32", 4)])
 def test_zero1_optimizer_step_by_hand(precision, c):
     # DeepSpeed ZeRO-1, world size 1, 4929-parameter MLP (no activations modelled). At the step it holds
@@ -71,6 +77,7 @@ def test_zero1_optimizer_step_by_hand(precision, c):
     assert e.phases["optimizer step"] == c * P + master + 8 * P + c * P + flat_and_fp32 + ALLOC_WORKSPACE
 
 
+@pytest.mark.unit
 def test_pure_bf16_block_activation_by_hand():
     # 16h + 4q + 4kv + 8i + 4*heads bytes per token: two RMSNorms (fp32 upcast + normalized + output),
     # rotated q/k, v and SDPA output, fp32 log-sum-exp, four SwiGLU intermediates.
@@ -85,6 +92,7 @@ def test_pure_bf16_block_activation_by_hand():
     assert ck.saved < p.saved and ck.recompute == p.per_layer
 
 
+@pytest.mark.unit
 def test_recommendation_moves_from_ddp_to_sharding_as_model_grows():
     kw = dict(micro_batch_size=1, seq_len=2048, gpu="H100", gpus_per_node=8, activation_checkpointing=True)
     small = plan("llama-3.2-1b", **kw)
@@ -94,6 +102,7 @@ def test_recommendation_moves_from_ddp_to_sharding_as_model_grows():
     assert big.recommended in ("fsdp", "zero1", "zero2", "zero3") and not big.recommended_offload
 
 
+@pytest.mark.unit
 def test_offload_only_when_nothing_else_fits():
     p = plan("llama-3.1-8b", micro_batch_size=1, seq_len=2048, gpu="A100-80GB", gpus_per_node=1,
              activation_checkpointing=True)
@@ -101,11 +110,13 @@ def test_offload_only_when_nothing_else_fits():
     assert p.recommended_offload
 
 
+@pytest.mark.unit
 def test_nothing_fits_raises_with_a_fix():
     with pytest.raises(NothingFitsError, match="activation_checkpointing"):
         choose_strategy("gpt-oss-120b", micro_batch_size=8, seq_len=8192, gpu="A10", gpus_per_node=1)
 
 
+@pytest.mark.unit
 def test_lora_needs_far_less_than_full_finetune():
     kw = dict(micro_batch_size=1, seq_len=2048, gpu="H100", gpus_per_node=1, strategies=["ddp"])
     full = plan("llama-3.1-8b", **kw).estimate("ddp")
@@ -113,6 +124,7 @@ def test_lora_needs_far_less_than_full_finetune():
     assert lora.peak_allocated < full.peak_allocated / 3 and lora.fits and not full.fits
 
 
+@pytest.mark.unit
 def test_hf_config_file_equals_catalog(tmp_path):
     cfg = {"model_type": "llama", "vocab_size": 128256, "hidden_size": 2048, "intermediate_size": 8192,
            "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 64,
@@ -124,6 +136,7 @@ def test_hf_config_file_equals_catalog(tmp_path):
     assert [e.peak_allocated for e in a.estimates] == [e.peak_allocated for e in b.estimates]
 
 
+@pytest.mark.unit
 def test_meta_module_counts_exactly():
     torch = pytest.importorskip("torch")
     with torch.device("meta"):
@@ -140,6 +153,7 @@ def test_import_does_not_import_torch():
     assert out.stdout.strip() == "False"
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("kwargs,match", [
     (dict(micro_batch_size=0), "micro_batch_size"), (dict(precision="int3"), "precision"),
     (dict(gpu="Z9000"), "unknown GPU"), (dict(strategies=["zero4"]), "unknown strategy"),
@@ -151,6 +165,7 @@ def test_bad_input_names_the_fix(kwargs, match):
         plan("llama-3.2-1b", **kw)
 
 
+@pytest.mark.unit
 def test_cli_table_and_json(capsys):
     assert cli_run(["plan", "llama-3.2-1b", "--gpu", "H100", "--gpus-per-node", "8", "-b", "2"]) == 0
     out = capsys.readouterr().out
@@ -161,6 +176,7 @@ def test_cli_table_and_json(capsys):
     assert cli_run(["plan", "no-such-model", "--gpu", "H100"]) == 2
 
 
+@pytest.mark.unit
 def test_plan_str_and_dict_round_trip():
     p = plan("gpt-oss-20b", gpu="H200", gpus_per_node=8, lora_rank=8)
     assert "gpt-oss-20b" in str(p) and "MoE" in str(p)
