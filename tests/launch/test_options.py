@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 
 import pytest
 
@@ -57,7 +58,10 @@ def test_cli_flags_give_the_same_options_as_keywords():
               env={"A": "1", "B": "x=y"})
     # "none" is a value: it switches the limit off, as timeout=None does.
     assert _cli("--timeout", "none").timeout is None
-    assert _cli("--nproc-per-node", "auto").gpus is None
+    # torchrun's words: auto = every GPU (None: resolved at launch), else one rank per core
+    from gpulaunch.hardware import host
+    assert _cli("--nproc-per-node", "auto").gpus == (None if host.detect().gpus else
+                                                      (os.cpu_count() or 1))
 
 
 def test_with_overrides_can_set_any_setting_back_to_none():

@@ -29,7 +29,7 @@ from typing import Callable
 from ..common.payload import exception_record
 from ..common.records import RankInfo
 from ..common.rundir import RunDir, write_json_atomic
-from . import results
+from . import results, torchrun_env
 
 COLLATERAL_PATTERNS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -48,6 +48,7 @@ class RankFiles:
 
     def __init__(self, run: RunDir, attempt: int, rank: int, host: str, *, node_rank: int = 0):
         self.run, self.attempt, self.rank = run, attempt, rank
+        torchrun_env.apply(run, attempt, rank)   # own torch seed, stderr marked, error file, title
         self.stacks = open(os.open(run.rank_file(attempt, rank, "stacks"),
                                    os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
         faulthandler.register(signal.SIGUSR1, file=self.stacks, all_threads=True)

@@ -190,7 +190,7 @@ def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
         def run_script():
             sys.argv = argv
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
+            runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")  # __file__ absolute
         return run_script
     if kind == "module":
         def run_module():
