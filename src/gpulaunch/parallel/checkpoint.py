@@ -10,11 +10,10 @@ Layout under a checkpoint root (a local path or an fsspec URL)::
         model/ ...             torch Distributed Checkpoint (none/ddp/fsdp) or DeepSpeed's own (zero*)
       latest                   name of the newest complete checkpoint, rewritten last
 
-Atomicity: on a local filesystem every rank writes into ``root/.tmp-step_...-<uuid>``; after a
-barrier rank 0 writes ``COMPLETE`` and renames the folder into place, then rewrites ``latest``
-(write + ``os.replace``). On object stores the files are written to local disk, uploaded in the
-background, and ``COMPLETE`` follows the upload (``_staging``); a folder without it is absent.
-Either way a crash mid-save leaves the previous checkpoint the newest loadable one.
+Atomicity: locally every rank writes into ``root/.tmp-step_...-<uuid>``; after a barrier rank 0
+writes ``COMPLETE``, renames the folder into place and rewrites ``latest`` (``os.replace``). To an
+object store the files go to local disk, are uploaded in the background, then ``COMPLETE`` is
+written (``_staging``). A crash mid-save leaves the previous checkpoint the newest loadable one.
 
 DDP/FSDP checkpoints are sharded (no full-state-dict gather on any rank, so no host-RAM blow-up),
 keyed by the plain module's parameter names, so one saved under DDP loads under FSDP and vice versa,
@@ -36,6 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..common import diskfull
 from . import _async_save, _data_position, _env, _staging
 from ._env import ParallelError, is_url
 from ._storage import (
@@ -257,8 +257,7 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
     root = str(path)
     name = f"step_{step:08d}"
     final_dir = _join(root, name)
-    url = is_url(root)
-    staged = _staging.wanted(root) and not isinstance(p, DeepSpeedPrepared)   # disk, then upload
+    url, staged = is_url(root), _staging.wanted(root) and not isinstance(p, DeepSpeedPrepared)
     r = _env.rank()
 
     if r == 0:
@@ -279,20 +278,21 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
         _makedirs(write_dir)
     _env.barrier()
 
-    if not async_save or staged:
-        _write_payload(p, write_dir)
-    _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
-    _data_position.save(write_dir, r)       # registered loaders' positions (gpulaunch.data)
-    if r == 0:
-        state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
-        if loader is not None:
-            state["loader"] = loader.state_dict()
-        if isinstance(p, TorchPrepared):
-            if p.lr_scheduler is not None:
-                state["lr_scheduler"] = p.lr_scheduler.state_dict()
-            if p.scaler is not None:
-                state["scaler"] = p.scaler.state_dict()
-        _torch_save(state, _join(write_dir, "trainer_state.pt"))
+    with diskfull.named(root, f"saving checkpoint step {step}"):  # a full disk says so
+        if not async_save or staged:
+            _write_payload(p, write_dir)
+        _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
+        _data_position.save(write_dir, r)   # registered loaders' positions (gpulaunch.data)
+        if r == 0:
+            state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
+            if loader is not None:
+                state["loader"] = loader.state_dict()
+            if isinstance(p, TorchPrepared):
+                if p.lr_scheduler is not None:
+                    state["lr_scheduler"] = p.lr_scheduler.state_dict()
+                if p.scaler is not None:
+                    state["scaler"] = p.scaler.state_dict()
+            _torch_save(state, _join(write_dir, "trainer_state.pt"))
     _env.barrier()  # every rank's part is on storage (async: all but the model's)
 
     def publish():
