@@ -16,6 +16,8 @@ import pathlib
 
 import pytest
 
+pytestmark = pytest.mark.unit
+
 SRC = pathlib.Path(__file__).resolve().parents[1] / "src" / "gpulaunch"
 MAX_LINES = 400
 # Modules allowed past MAX_LINES, each with the reason it is one piece.
