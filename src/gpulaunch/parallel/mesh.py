@@ -127,10 +127,11 @@ class BuiltMesh:
         self.device_mesh = init_device_mesh(device_type, tuple(mesh.sizes.values()), mesh_dim_names=DIMS)
         # FSDP shards over shard x context (torchtitan's dp_shard_cp): the context ranks hold the
         # same parameters, so they may as well hold a share of them each.
-        if mesh.context > 1:
-            self.device_mesh["shard", "context"]._flatten("shard_context")
+        # (the flattened meshes are kept here: torch deprecates slicing them out of the root again)
+        self._shard_context = (self.device_mesh["shard", "context"]._flatten("shard_context")
+                               if mesh.context > 1 else None)
         # the data-parallel ranks (each reads its own batch), for loaders and the loss's mean
-        self.device_mesh["replicate", "shard"]._flatten("data")
+        self._data = self.device_mesh["replicate", "shard"]._flatten("data")
 
     def __getitem__(self, names):
         return self.device_mesh[names]
@@ -138,10 +139,9 @@ class BuiltMesh:
     @property
     def fsdp(self):
         """The mesh FSDP2 shards over: 1-D (FSDP), or 2-D replicate x shard (HSDP)."""
-        shard = "shard_context" if self.spec.context > 1 else "shard"
-        if self.spec.replicate > 1:
-            return self.device_mesh["replicate", shard]
-        return self.device_mesh[shard]
+        if self.spec.replicate > 1:   # HSDP (x CP: a slice of the flattened dim, as torchtitan's dp_shard_cp)
+            return self.device_mesh["replicate", "shard_context" if self.spec.context > 1 else "shard"]
+        return self._shard_context if self.spec.context > 1 else self.device_mesh["shard"]
 
     @property
     def tensor(self):
@@ -153,7 +153,7 @@ class BuiltMesh:
 
     @property
     def data(self):
-        return self.device_mesh["data"]
+        return self._data
 
     @property
     def data_rank(self) -> int:
