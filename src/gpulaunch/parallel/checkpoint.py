@@ -36,7 +36,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from . import _async_save, _env
+from ..common import diskfull
+from . import _async_save, _data_position, _env
 from ._env import ParallelError, is_url
 from ._storage import (
     _dcp_reader,
@@ -277,19 +278,21 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
         _makedirs(write_dir)
     _env.barrier()
 
-    if not async_save:
-        _write_payload(p, write_dir)
-    _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
-    if r == 0:
-        state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
-        if loader is not None:
-            state["loader"] = loader.state_dict()
-        if isinstance(p, TorchPrepared):
-            if p.lr_scheduler is not None:
-                state["lr_scheduler"] = p.lr_scheduler.state_dict()
-            if p.scaler is not None:
-                state["scaler"] = p.scaler.state_dict()
-        _torch_save(state, _join(write_dir, "trainer_state.pt"))
+    with diskfull.named(root, f"saving checkpoint step {step}"):  # a full disk says so
+        if not async_save:
+            _write_payload(p, write_dir)
+        _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
+        _data_position.save(write_dir, r)   # registered loaders' positions (gpulaunch.data)
+        if r == 0:
+            state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
+            if loader is not None:
+                state["loader"] = loader.state_dict()
+            if isinstance(p, TorchPrepared):
+                if p.lr_scheduler is not None:
+                    state["lr_scheduler"] = p.lr_scheduler.state_dict()
+                if p.scaler is not None:
+                    state["scaler"] = p.scaler.state_dict()
+            _torch_save(state, _join(write_dir, "trainer_state.pt"))
     _env.barrier()  # every rank's part is on storage (async: all but the model's)
 
     def publish():
@@ -363,6 +366,7 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
             p.lr_scheduler.load_state_dict(ts["lr_scheduler"])
         if p.scaler is not None and "scaler" in ts:
             p.scaler.load_state_dict(ts["scaler"])
+    _data_position.load(ckpt, _env.rank())
     if loader is not None and ts.get("loader") is not None:
         loader.load_state_dict(ts["loader"])
     rng = _join(ckpt, f"rng_rank{_env.rank():05d}.pt")

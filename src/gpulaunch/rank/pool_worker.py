@@ -37,7 +37,7 @@ import traceback
 from ..common.payload import exception_record, load_call
 from ..common.records import RankInfo
 from ..common.rundir import RunDir, hostname, write_json_atomic
-from . import results
+from . import results, torchrun_env
 from .worker import (
     COLLATERAL_PATTERNS,
     _cuda_memory_report,
@@ -130,6 +130,7 @@ def serve_call(request: dict, rank: int, host: str) -> None:
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
+    torchrun_env.apply(run, 0, rank)   # as a cold rank starts: own torch seed, stderr marked...
     stacks = open(run.rank_file(0, rank, "stacks"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     write_json_atomic(run.rank_file(0, rank, "info.json"), RankInfo(

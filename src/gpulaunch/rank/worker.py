@@ -32,7 +32,7 @@ from ..common.payload import exception_record
 from ..common.records import RankInfo
 from ..common.redact import ENTRY_ARGV_ENV
 from ..common.rundir import RunDir, hostname, write_json_atomic
-from . import results
+from . import results, torchrun_env
 
 COLLATERAL_PATTERNS = (
     "Connection closed by peer", "Connection reset by peer", "Broken pipe",
@@ -199,6 +199,7 @@ def main(argv: list[str]) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    torchrun_env.apply(run, attempt, rank)   # own torch seed, stderr marked, error file, title
     host = hostname()
     for suffix in ("log", "stderr.log"):   # opened for us by torchelastic, with umask modes
         try:
@@ -299,7 +300,7 @@ def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
         def run_script():
             sys.argv = argv
             sys.path.insert(0, os.path.dirname(os.path.abspath(argv[0])))
-            runpy.run_path(argv[0], run_name="__main__")
+            runpy.run_path(os.path.abspath(argv[0]), run_name="__main__")  # __file__ absolute
         return run_script
     if kind == "module":
         def run_module():
