@@ -11,6 +11,8 @@ from gpulaunch.parallel import auto
 from gpulaunch.parallel.mesh import Mesh, as_mesh
 from gpulaunch.parallel.reference_model import Llama, LlamaConfig
 
+pytestmark = pytest.mark.unit
+
 
 def test_shard_takes_what_the_others_leave():
     assert Mesh().resolve(8) == Mesh(1, 8, 1, 1)

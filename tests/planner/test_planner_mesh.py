@@ -26,6 +26,7 @@ def est(mesh, nodes=1, gpus=8, seq=8192, **kw):
     return p, p.estimate("fsdp")
 
 
+@pytest.mark.unit
 def test_states_divide_over_shard_context_and_tensor_not_replicas():
     _, fsdp16 = est("shard=16", nodes=2)
     _, hsdp = est("replicate=2,shard=8", nodes=2)
@@ -38,6 +39,7 @@ def test_states_divide_over_shard_context_and_tensor_not_replicas():
     assert hsdp.peak_allocated > fsdp16.peak_allocated               # replicas hold full shard sets
 
 
+@pytest.mark.unit
 def test_tensor_and_context_parallel_cut_activations():
     _, flat = est("shard=8")
     _, tp = est("shard=4,tensor=2")
@@ -48,6 +50,7 @@ def test_tensor_and_context_parallel_cut_activations():
     assert tp.peak_allocated < flat.peak_allocated and cp.peak_allocated < flat.peak_allocated
 
 
+@pytest.mark.unit
 def test_mesh_decides_which_techniques_are_planned():
     assert {e.key for e in est("replicate=8")[0].estimates} == {"ddp", "fsdp"}
     assert {e.key for e in est("shard=8")[0].estimates} >= {"fsdp", "zero1", "zero3"}
@@ -58,6 +61,7 @@ def test_mesh_decides_which_techniques_are_planned():
     assert p.to_dict()["mesh"]["shard"] == 4
 
 
+@pytest.mark.unit
 @pytest.mark.parametrize("mesh,match", [
     ("shard=3", "product must equal the GPU count"),
     ("replicate=3", "does not divide the 8 GPUs"),
@@ -70,11 +74,13 @@ def test_bad_meshes_name_the_fix(mesh, match):
         est(mesh)
 
 
+@pytest.mark.unit
 def test_a_strategy_that_cannot_run_the_mesh_is_refused():
     with pytest.raises(ValueError, match="zero3 cannot run the mesh shard 4 x tensor 2: it takes fsdp"):
         plan("llama-3.1-8b", gpu="H100", gpus_per_node=8, mesh="shard=4,tensor=2", strategies=["zero3"])
 
 
+@pytest.mark.unit
 def test_mesh_object_from_gpulaunch_parallel_is_accepted():
     from gpulaunch.parallel import Mesh
     assert resolve_mesh(Mesh(replicate=2, tensor=2), 8) == {"replicate": 2, "shard": 2, "context": 1, "tensor": 2}
@@ -98,6 +104,7 @@ def _verdict(plan_args, n=8):
     return fitcheck.check_launch(fitcheck.validate(plan_args), resolve(LaunchOptions(gpus=n), h), h)
 
 
+@pytest.mark.unit
 def test_fit_check_plans_the_mesh_of_the_launch():
     # 8K tokens of an 8B model: plain FSDP over 8 GPUs is within 1 GiB of the 80 GiB, FSDP2 x TP 2 fits
     v = _verdict({"model": "llama-3.1-8b", "strategy": "fsdp", "seq_len": 8192, "mesh": "shard=4,tensor=2"})
@@ -110,6 +117,7 @@ def test_fit_check_plans_the_mesh_of_the_launch():
         _verdict({"model": "llama-3.1-8b", "mesh": "shard=4"})
 
 
+@pytest.mark.unit
 def test_fit_check_refuses_a_malformed_mesh_at_decoration():
     with pytest.raises(ConfigurationError, match="plan\\['mesh'\\].*not an integer"):
         fitcheck.validate({"model": "llama-3.1-8b", "mesh": "tensor=x"})
