@@ -96,8 +96,7 @@ class TorchStrategy(Strategy):
             from .tensor_parallel import apply_tensor_parallel
             if not s.cpu_offload:
                 model.to(s.device)
-            apply_tensor_parallel(model, built.tensor, s.tensor_plan,
-                                  fp8_tensorwise=s.precision == "fp8" and s.fp8_recipe == "tensorwise")
+            apply_tensor_parallel(model, built.tensor, s.tensor_plan)
         if built is not None and spec.context > 1:
             from .context_parallel import prepare_model
             prepare_model(model)

@@ -30,11 +30,11 @@ __all__ = ["TensorPlan", "apply_tensor_parallel", "default_plan"]
 TensorPlan = dict | Callable | None
 
 
-def _reference_plan(model, tensor: int, fp8_tensorwise: bool) -> dict:
+def _reference_plan(model, tensor: int) -> dict:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import SequenceParallel
 
-    col, row, prep = _styles(fp8_tensorwise)
+    col, row, prep = _styles()
     c = model.config
     if c.n_heads % tensor or c.n_kv_heads % tensor:
         raise ParallelError(f"Mesh(tensor={tensor}) must divide the model's attention heads "
@@ -49,10 +49,10 @@ def _reference_plan(model, tensor: int, fp8_tensorwise: bool) -> dict:
                             "share one weight: build the model with tie_embeddings=False, or pass tensor_plan=")
     plan = {
         # the embedding splits the vocabulary and hands each rank 1/tensor of the sequence
-        "tok_emb": _row_cls(False)(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "tok_emb": row(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
         # the head gathers the sequence, splits the vocabulary, then gathers logits for the loss
-        "lm_head": _col_cls(False)(input_layouts=Shard(1), output_layouts=Replicate()),
+        "lm_head": col(input_layouts=Shard(1), output_layouts=Replicate()),
     }
     for i in range(len(model.layers)):
         p = f"layers.{i}"
@@ -69,8 +69,8 @@ def _reference_plan(model, tensor: int, fp8_tensorwise: bool) -> dict:
     return plan
 
 
-def _hf_plan(model, tensor: int, fp8_tensorwise: bool) -> dict:
-    col, row, _ = _styles(fp8_tensorwise)
+def _hf_plan(model, tensor: int) -> dict:
+    col, row, _ = _styles()
     cfg = getattr(model, "config", None)
     heads = getattr(cfg, "num_attention_heads", None)
     kv = getattr(cfg, "num_key_value_heads", heads)
@@ -87,40 +87,27 @@ def _hf_plan(model, tensor: int, fp8_tensorwise: bool) -> dict:
     return plan
 
 
-def _col_cls(fp8: bool):
-    if fp8:
-        from torchao.float8.float8_tensor_parallel import Float8ColwiseParallel
-        return Float8ColwiseParallel
-    from torch.distributed.tensor.parallel import ColwiseParallel
-    return ColwiseParallel
+def _styles():
+    """Column, row and input-preparing styles. Plain ones also for FP8 layers: a ``Float8Linear``
+    computes on the local shards DTensor hands it (torchtitan's way for rowwise FP8). torchao's
+    float8 styles, which all-gather FP8 activations for tensorwise, need every linear of a block
+    converted, and the small K/V projections stay in bf16 here (:mod:`gpulaunch.parallel.fp8`)."""
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+    )
+    return ColwiseParallel, RowwiseParallel, PrepareModuleInput
 
 
-def _row_cls(fp8: bool):
-    if fp8:
-        from torchao.float8.float8_tensor_parallel import Float8RowwiseParallel
-        return Float8RowwiseParallel
-    from torch.distributed.tensor.parallel import RowwiseParallel
-    return RowwiseParallel
-
-
-def _styles(fp8_tensorwise: bool):
-    """Column, row and input-preparing styles; FP8 tensorwise layers need torchao's float8 versions
-    (they all-gather FP8 inputs), FP8 rowwise and bf16 the plain ones (torchtitan's choice too)."""
-    if fp8_tensorwise:
-        from torchao.float8.float8_tensor_parallel import PrepareFloat8ModuleInput
-        return _col_cls(True), _row_cls(True), PrepareFloat8ModuleInput
-    from torch.distributed.tensor.parallel import PrepareModuleInput
-    return _col_cls(False), _row_cls(False), PrepareModuleInput
-
-
-def default_plan(model: nn.Module, tensor: int, *, fp8_tensorwise: bool = False) -> dict:
+def default_plan(model: nn.Module, tensor: int) -> dict:
     """The built-in plan for ``model`` (see the module docstring); a clear error when there is none."""
     from .reference_model import Llama
     if isinstance(model, Llama):
-        return _reference_plan(model, tensor, fp8_tensorwise)
+        return _reference_plan(model, tensor)
     names = {n.rsplit(".", 1)[-1] for n, _ in model.named_modules()}
     if {"q_proj", "o_proj", "down_proj"} <= names:
-        return _hf_plan(model, tensor, fp8_tensorwise)
+        return _hf_plan(model, tensor)
     raise ParallelError(
         f"Mesh(tensor={tensor}) needs a tensor plan, and there is no built-in one for {type(model).__name__} "
         "(built in: gpulaunch's reference Llama and Hugging Face Llama-style decoders). Pass tensor_plan= a dict "
@@ -128,8 +115,7 @@ def default_plan(model: nn.Module, tensor: int, *, fp8_tensorwise: bool = False)
         "'layers.*.mlp.w2': RowwiseParallel()}, or a function fn(model, tensor_mesh).")
 
 
-def apply_tensor_parallel(model: nn.Module, tensor_mesh, plan: TensorPlan = None, *,
-                          fp8_tensorwise: bool = False) -> None:
+def apply_tensor_parallel(model: nn.Module, tensor_mesh, plan: TensorPlan = None) -> None:
     """Parallelize ``model`` in place over ``tensor_mesh`` with ``plan`` (default: :func:`default_plan`)."""
     from torch.distributed.tensor.parallel import parallelize_module
 
@@ -137,7 +123,7 @@ def apply_tensor_parallel(model: nn.Module, tensor_mesh, plan: TensorPlan = None
         plan(model, tensor_mesh)
         return
     if plan is None:
-        plan = default_plan(model, tensor_mesh.size(), fp8_tensorwise=fp8_tensorwise)
+        plan = default_plan(model, tensor_mesh.size())
     if not isinstance(plan, dict) or not plan:
         raise ParallelError("tensor_plan= takes a non-empty dict {module name pattern: ParallelStyle} or a "
                             f"function fn(model, tensor_mesh); got {plan!r}")
