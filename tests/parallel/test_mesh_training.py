@@ -1,6 +1,6 @@
-"""Each mesh layout trains like single-process PyTorch: HSDP, tensor parallel, FSDP2 x TP, on real
-CPU ranks (gloo) through gpulaunch's own launcher; checkpoints saved under one layout load under
-another.
+"""Each mesh layout trains like single-process PyTorch: HSDP, tensor parallel, FSDP2 x TP, HSDP x TP
+(and a Hugging Face Llama under the built-in HF tensor plan), on real CPU ranks (gloo) through
+gpulaunch's own launcher; checkpoints saved under one layout load under another.
 
 The reference is plain single-process PyTorch on the concatenated global batch (no gpulaunch).
 Every data-parallel rank (``p.data_rank`` of ``p.data_size``) reads its slice of the global batch;
