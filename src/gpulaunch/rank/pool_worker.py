@@ -34,6 +34,7 @@ import threading
 import time
 import traceback
 
+from ..common import private
 from ..common.payload import exception_record, load_call
 from ..common.records import RankInfo
 from ..common.rundir import RunDir, hostname, write_json_atomic
@@ -124,14 +125,14 @@ def serve_call(request: dict, rank: int, host: str) -> None:
     _apply_env(request.get("env") or {})
     if request.get("cwd"):
         os.chdir(request["cwd"])     # a previous call's os.chdir must not leak into this one
-    run.attempt_dir(0).mkdir(exist_ok=True)
+    private.mkdir(run.attempt_dir(0))
     log = os.open(run.rank_file(0, rank, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
     saved = os.dup(1)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
     torchrun_env.apply(run, 0, rank)   # as a cold rank starts: own torch seed, stderr marked...
-    stacks = open(run.rank_file(0, rank, "stacks"), "w")
+    stacks = private.open_file(run.rank_file(0, rank, "stacks"), "w")
     faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
     write_json_atomic(run.rank_file(0, rank, "info.json"), RankInfo(
         rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(),

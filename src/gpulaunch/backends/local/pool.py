@@ -42,7 +42,7 @@ import time
 from ...caller import collect
 from ...caller.logstream import LogStreamer
 from ...caller.registry import ACTIVE
-from ...common import constants, procutil
+from ...common import constants, private, procutil
 from ...common.records import (
     HangRecord,
     LaunchRecord,
@@ -218,7 +218,7 @@ class PoolRun:
             call_env.update(self.hooks.env())
         call_env.update(dict(self.spec.env))
         call_env["GPULAUNCH_RUN_DIR"] = str(self.run.path)
-        self.run.attempt_dir(0).mkdir(exist_ok=True)
+        private.mkdir(self.run.attempt_dir(0))
         if not self._send(env, call_env):
             return self
         self._update(state=RunState.RUNNING, pids=self.pool.pids, started=time.time(),
@@ -256,7 +256,7 @@ class PoolRun:
     def _hook_output(self):
         """Node hooks' warnings go to the run's agent.log, where a cold run's agent puts them,
         not into the notebook on every call."""
-        with open(self.run.agent_log, "a") as f, contextlib.redirect_stderr(f):
+        with private.open_file(self.run.agent_log, "a") as f, contextlib.redirect_stderr(f):
             yield
 
     def _update(self, **kw) -> None:
