@@ -37,11 +37,19 @@ def open_file(path: os.PathLike | str, mode: str = "w", **kw):
 def tighten(root: os.PathLike | str) -> None:
     """Drop group and other permissions from ``root`` and everything under it (symlinks are
     left alone). Missing paths and races with a concurrent writer are ignored."""
+    if not os.path.isdir(root):
+        tighten_one(root)
+        return
     for base, dirs, files in os.walk(root):
         for name in [base, *(os.path.join(base, n) for n in dirs + files)]:
-            try:
-                st = os.lstat(name)
-                if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
-                    os.chmod(name, stat.S_IMODE(st.st_mode) & 0o700)
-            except OSError:
-                pass
+            tighten_one(name)
+
+
+def tighten_one(name) -> None:
+    """``tighten`` for one path, not what is under it."""
+    try:
+        st = os.lstat(name)
+        if not stat.S_ISLNK(st.st_mode) and st.st_mode & 0o077:
+            os.chmod(name, stat.S_IMODE(st.st_mode) & 0o700)
+    except OSError:
+        pass
