@@ -33,6 +33,9 @@ LAYERS = {
     "rank": {"common"},
     "runtime": {"common", "rank"},
     "planner": {"hardware"},
+    # jobs sit above the launch pipeline: they build its options and run it, never inside it
+    "jobs": {"common", "hardware", "options", "option_checks", "caller", "tracking", "api",
+             "backends", "cli_nodes"},
 }
 
 

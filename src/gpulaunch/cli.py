@@ -309,7 +309,9 @@ def _version() -> str:
     return __version__
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (every subcommand), without running anything: the docs' tests
+    check each documented ``gpulaunch ...`` line against it."""
     parser = argparse.ArgumentParser(prog="gpulaunch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"gpulaunch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -337,10 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     pool_cli.add_parser(sub)
     from .planner import command as planner
     planner.add_parser(sub)
-    args = parser.parse_args(argv)
+    from .jobs import command as job_cli
+    job_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .backends.local import pool_cli
+    from .jobs import command as job_cli
+    from .planner import command as planner
+    args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
                 "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug,
-                "plan": planner.main}
+                "plan": planner.main, "job": job_cli.main}
     try:
         return handlers[args.command](args)
     except errors.UserError as e:

@@ -146,3 +146,10 @@ class RemoteTraceback(Exception):
 
     def __str__(self) -> str:
         return self.text
+
+
+# --------------------------------------------------------------------------- data input
+class DataError(ConfigurationError):
+    """Data the run was pointed at cannot be read as asked (gpulaunch.data): a missing file or
+    table, a column the schema lacks, a shard that is not what its format says, credentials the
+    store refused. The message names the path or URL and the fix."""

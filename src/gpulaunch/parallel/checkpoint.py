@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common import diskfull
-from . import _async_save, _env
+from . import _async_save, _data_position, _env
 from ._env import ParallelError, is_url
 from ._storage import (
     _dcp_reader,
@@ -282,6 +282,7 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
         if not async_save:
             _write_payload(p, write_dir)
         _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
+        _data_position.save(write_dir, r)   # registered loaders' positions (gpulaunch.data)
         if r == 0:
             state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
             if loader is not None:
@@ -363,6 +364,7 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
             p.lr_scheduler.load_state_dict(ts["lr_scheduler"])
         if p.scaler is not None and "scaler" in ts:
             p.scaler.load_state_dict(ts["scaler"])
+    _data_position.load(ckpt, _env.rank())
     if loader is not None and ts.get("loader") is not None:
         loader.load_state_dict(ts["loader"])
     rng = _join(ckpt, f"rng_rank{_env.rank():05d}.pt")
