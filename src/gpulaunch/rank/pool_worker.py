@@ -32,6 +32,7 @@ import signal
 import sys
 import threading
 
+from ..common import private
 from ..common.payload import load_call
 from ..common.rundir import RunDir, hostname
 from . import body
@@ -111,7 +112,7 @@ def serve_call(request: dict, rank: int, host: str) -> str:
     os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     if request.get("cwd"):
         os.chdir(request["cwd"])     # a previous call's os.chdir must not leak into this one
-    run.attempt_dir(attempt).mkdir(exist_ok=True)
+    private.mkdir(run.attempt_dir(attempt))
     log = os.open(run.rank_file(attempt, rank, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
                   0o600)
     saved = os.dup(1)

@@ -248,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             port = _wait_for_port(Path(placement.master_port_file))
         rdzv = BoundStaticRendezvous(
             bind_host=placement.bind_host, port=port, connect_host=placement.master_addr,
-            node_rank=node_rank, nnodes=placement.nnodes, run_id=placement.rdzv_id or run.run_id)
+            node_rank=node_rank, nnodes=placement.nnodes, run_id=placement.rdzv_id or run.run_id,
+            join_timeout=spec.start_timeout)
         status.update(master_port=rdzv.port)
         start_method, why = choose_start_method(spec)
         status.update(start_method=start_method, start_method_reason=why)

@@ -43,7 +43,7 @@ from ...caller.controller import RunController
 from ...caller.failure_policy import Decision, FailurePolicy
 from ...caller.logstream import LogStreamer
 from ...caller.outcome import root_cause
-from ...common import procutil
+from ...common import private, procutil
 from ...common.records import (
     LaunchRecord,
     NodeStatus,
@@ -103,7 +103,7 @@ class PoolRun(RunController):
             call_env.update(self.hooks.env())
         call_env.update(dict(self.spec.env))
         self._env, self._call_env = env, call_env
-        self.run.attempt_dir(self.attempt).mkdir(exist_ok=True)
+        private.mkdir(self.run.attempt_dir(self.attempt))
         if not self._send(env, call_env):
             return
         self._update(state=RunState.RUNNING, pids=self.pool.pids, started=time.time(),
@@ -141,7 +141,7 @@ class PoolRun(RunController):
     def _hook_output(self):
         """Node hooks' warnings go to the run's agent.log, where a cold run's agent puts them,
         not into the notebook on every call."""
-        with open(self.run.agent_log, "a") as f, contextlib.redirect_stderr(f):
+        with private.open_file(self.run.agent_log, "a") as f, contextlib.redirect_stderr(f):
             yield
 
     def _update(self, **kw) -> None:
@@ -226,7 +226,7 @@ class PoolRun(RunController):
         self.attempt, self._first_error_at = failed + 1, None
         self._done.clear()
         self._call_env["TORCHELASTIC_RESTART_COUNT"] = str(self.attempt)
-        self.run.attempt_dir(self.attempt).mkdir(exist_ok=True)
+        private.mkdir(self.run.attempt_dir(self.attempt))
         if not self._send(self._env, self._call_env):
             return
         self._update(state=RunState.RUNNING, attempt=self.attempt, pids=self.pool.pids)

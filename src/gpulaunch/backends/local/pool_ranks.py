@@ -30,7 +30,7 @@ import subprocess
 import sys
 import time
 
-from ...common import constants, procutil
+from ...common import constants, private, procutil
 from ...common.rundir import home, read_json, write_json_atomic
 from .rank_env import rank_env, torchrun_env
 
@@ -162,12 +162,12 @@ class RankPool:
         self.state_owners: dict[str, str] = {}    # rt.state key -> the call that set it
 
     def start(self) -> "RankPool":
-        self.dir.mkdir(parents=True, mode=0o700)
+        private.mkdir(self.dir)          # pools/ and pools/<id>/: owner-only
         port = _free_port()
         try:
             for r in range(self.spec.world_size):
                 read_end, write_end = os.pipe()
-                with open(self.dir / f"rank{r}.log", "wb") as log:
+                with private.open_file(self.dir / f"rank{r}.log", "wb") as log:
                     proc = subprocess.Popen(
                         [sys.executable, "-u", "-m", "gpulaunch.rank.pool_worker"],
                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
