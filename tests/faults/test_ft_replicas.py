@@ -21,7 +21,7 @@ torchft = pytest.importorskip("torchft")
 import torch  # noqa: E402
 
 from gpulaunch import ft  # noqa: E402
-from gpulaunch.ft.replicas import read_steps  # noqa: E402
+from gpulaunch.ft.result import read_steps  # noqa: E402
 
 STEPS = 60
 LR = 0.05
