@@ -190,6 +190,16 @@ def _progress(records: list[dict], end: float) -> tuple[int, int]:
     return last["step"], sum(n for s, n in n_by_step.items() if s <= last["step"])
 
 
+def _per_10s(records: list[dict], start: float, end: float) -> list[int]:
+    """Run steps first committed in each 10 s of the window (stalls show as small counts)."""
+    seen, buckets = set(), [0] * max(1, int((end - start + 9.999) // 10))
+    for r in records:
+        if start <= r["t"] < end and r["step"] not in seen:
+            seen.add(r["step"])
+            buckets[int((r["t"] - start) // 10)] += 1
+    return buckets
+
+
 def run_ft(a, duration: float, fail_every, folder: Path) -> dict:
     from gpulaunch import ft
     from gpulaunch.ft.result import read_steps
@@ -220,6 +230,8 @@ def run_ft(a, duration: float, fail_every, folder: Path) -> dict:
         recoveries.append(round(nxt[0]["t"] - k["t"], 3) if nxt else None)
     return {"batches": batches, "run_steps": step, "wall_s": duration,
             "kills": len(killer.kills), "recovery_s": recoveries,
+            "kill_at_s": [round(k["t"] - window.start, 1) for k in killer.kills],
+            "steps_per_10s": _per_10s(merged, window.start, window.end),
             "failures": [{"replica": f.replica, "attempt": f.attempt, "healed_to": f.healed_to,
                           "steps_missed": f.steps_missed} for f in res.failures]}
 
@@ -253,7 +265,9 @@ def run_ckpt(a, duration: float, fail_every, folder: Path) -> dict:
         back.append(round(again[0]["t"] - k["t"], 3) if again else None)
     return {"batches": batches, "run_steps": step, "wall_s": duration,
             "kills": len(killer.kills), "recovery_s": recoveries,
-            "back_to_pre_kill_step_s": back}
+            "back_to_pre_kill_step_s": back,
+            "kill_at_s": [round(k["t"] - window.start, 1) for k in killer.kills],
+            "steps_per_10s": _per_10s(recs, window.start, window.end)}
 
 
 def main(argv=None) -> int:

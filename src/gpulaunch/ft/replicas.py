@@ -91,6 +91,11 @@ class ReplicaGroups:
                                          "gpulaunch restarts itself)" if reserved != "env"
                                          else "run_replicas(..., env=...): pass extra_env=")
         self.extra_env = dict(launch_options.pop("extra_env", None) or {})
+        # One compute thread per process, as torchrun gives each of several ranks: N groups
+        # and a spare each taking every core would crowd each other out (3.6x slower steps
+        # measured on 2 cores).
+        if "OMP_NUM_THREADS" not in os.environ:
+            self.extra_env.setdefault("OMP_NUM_THREADS", "1")
         self.fn = getattr(fn, "func", fn)         # a DistributedFunction or a plain function
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
         self.replicas = replicas
