@@ -99,8 +99,14 @@ def test_fault_stops_every_rank_and_names_the_root_cause(mode, gpulaunch_home):
     assert_no_survivors(handle.run_dir)
 
 
+# Long enough for both ranks to be up (and stubborn) before it fires, even on a loaded 2-core
+# machine where the agent alone can take > 4 s to import torch: a timeout that fires before any
+# rank exists stops an agent with no rank, and the test would check nothing of what it names.
+STUBBORN_TIMEOUT_S = 20
+
+
 def test_timeout_stops_the_whole_tree_even_a_rank_that_ignores_sigterm(gpulaunch_home):
-    @distributed(gpus=2, timeout=4, shutdown_grace=1)
+    @distributed(gpus=2, timeout=STUBBORN_TIMEOUT_S, shutdown_grace=1)
     def stubborn():
         import signal
         import subprocess
@@ -109,18 +115,51 @@ def test_timeout_stops_the_whole_tree_even_a_rank_that_ignores_sigterm(gpulaunch
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         # a grandchild process too: it must die with its rank
         subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+        print("stubborn", flush=True)
         time.sleep(600)
 
+    h = stubborn.submit()
     t0 = time.monotonic()
-    with pytest.raises(RunTimeoutError, match="timeout=4 s"):
-        stubborn.distributed()
-    assert time.monotonic() - t0 < BOUND_S
+    while h.logs().count("stubborn") < 2 and not h.done() \
+            and time.monotonic() - t0 < STUBBORN_TIMEOUT_S:
+        time.sleep(0.1)
+    assert h.logs().count("stubborn") == 2, (
+        f"both ranks were not up within timeout={STUBBORN_TIMEOUT_S} s; logs: {h.logs()!r}")
+    with pytest.raises(RunTimeoutError, match=f"timeout={STUBBORN_TIMEOUT_S} s"):
+        h.result(timeout=BOUND_S)
+    assert time.monotonic() - t0 < STUBBORN_TIMEOUT_S + BOUND_S
     run_dir = latest_run_dir(gpulaunch_home)
-    assert_no_survivors(run_dir)
+    assert len(RunDir(run_dir).rank_pids()) == 2      # the stubborn ranks were known and ...
+    assert_no_survivors(run_dir)                      # ... are gone, the agent too
     grandchildren = [p for p in psutil.process_iter(["cmdline"])
                      if p.info["cmdline"] and "time.sleep(600)" in " ".join(p.info["cmdline"])
                      and p.pid not in run_pids(run_dir)]
     assert not [p.pid for p in grandchildren if p.status() != psutil.STATUS_ZOMBIE]
+
+
+def test_a_rank_orphaned_before_it_armed_its_parent_death_signal_exits(tmp_path):
+    """The agent stopped (timeout, cancel) while forking its ranks, before it recorded their
+    pids: a rank whose agent is already gone when it starts must exit, not run the user's code
+    as an orphan that nobody knows to stop. Here the 'agent' exits right after starting it."""
+    run = RunDir(tmp_path / "run")
+    run.attempt_dir(0).mkdir(parents=True)
+    starter = textwrap.dedent(f"""
+        import os, subprocess, sys
+        env = dict(os.environ, GPULAUNCH_AGENT_PID=str(os.getpid()), RANK="0")
+        code = "import time; time.sleep(1.5); from gpulaunch.rank import worker; " \\
+               "worker.main([{str(run.path)!r}])"
+        p = subprocess.Popen([sys.executable, "-c", code], env=env, start_new_session=True,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        print(p.pid)
+    """)
+    out = subprocess.run([PY, "-c", starter], env=python_env(), capture_output=True, text=True,
+                         check=True, timeout=BOUND_S)
+    orphan = int(out.stdout.split()[-1])
+    deadline = time.monotonic() + BOUND_S
+    while alive([orphan]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not alive([orphan])
+    assert not run.rank_file(0, 0, "info.json").exists(), "the orphaned rank started running"
 
 
 def test_hang_watchdog_reports_every_rank_stack(gpulaunch_home):

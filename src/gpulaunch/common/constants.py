@@ -44,6 +44,9 @@ STARTUP_ENV_NAMES = ("LANG", "LANGUAGE", "TMPDIR")
 
 # The pipe a forked rank waits on until the agent has forked every rank (elastic_compat).
 FORK_GATE_ENV = "GPULAUNCH_FORK_GATE"
+# The node agent's pid, set by the agent for its ranks: a rank checks it is still the agent's
+# child once it has armed its parent-death signal (a rank orphaned earlier exits at once).
+AGENT_PID_ENV = "GPULAUNCH_AGENT_PID"
 
 # A rank's stdout and stderr share one ordered log file; each line written through the rank's
 # sys.stderr starts with this byte (ASCII record separator: invisible), so the caller can print

@@ -150,9 +150,13 @@ def _wait_at_fork_gate() -> None:
 
 def main(argv: list[str]) -> None:
     run = RunDir(argv[0])
-    parent = os.getppid()
+    # The agent that started us, named by the agent itself: os.getppid() here would be
+    # whoever adopted us if the agent died between our fork (or exec) and this line (a
+    # timeout or cancel while the agent was still starting ranks, before it recorded their
+    # pids), and we would then run the user's code as an orphan nobody knows to stop.
+    agent = int(os.environ.pop(constants.AGENT_PID_ENV, "") or 0) or os.getppid()
     procutil.set_parent_death_signal(signal.SIGKILL)
-    if os.getppid() != parent:  # the agent died before we armed the signal
+    if os.getppid() != agent:  # the agent died before we armed the signal
         os._exit(1)
     os.dup2(1, 2)  # one ordered log per rank: stderr joins stdout's file
 

@@ -155,6 +155,7 @@ def _worker_env(record: LaunchRecord, run: RunDir, node_rank: int, extra: dict) 
     """Environment every rank inherits, on top of what torchelastic sets per rank."""
     spec, env = record.spec, os.environ
     rank_env(env, spec, run_dir=run.path, node_rank=node_rank, nnodes=record.placement.nnodes)
+    env[constants.AGENT_PID_ENV] = str(os.getpid())   # a rank orphaned at birth exits (worker.py)
     env.update(extra)
     # launch.json holds env= names only and masked arguments; the caller sent the values in
     # our environment (redact.py), taken out here so no rank inherits the whole bundle
