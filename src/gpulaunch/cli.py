@@ -18,7 +18,7 @@ import time
 from . import cli_nodes, cli_torchrun, errors, options
 from .caller.logstream import LogStreamer, tail_text
 from .common import rundir
-from .common.records import Entry, RunState
+from .common.records import Entry, NodeState, state_is_terminal
 from .common.rundir import RunDir, read_json
 from .hardware import host as hardware
 
@@ -128,7 +128,7 @@ def _state(run: RunDir) -> str:
     if not status.state.terminal and status.agent_pid:
         from .common.procutil import pid_alive
         if not pid_alive(int(status.agent_pid)):
-            return str(RunState.DIED)   # its agent was killed without writing an end state
+            return str(NodeState.DIED)   # its agent was killed without writing an end state
     return str(status.state)
 
 
@@ -224,7 +224,7 @@ def cmd_logs(args) -> int:
                 for r in ranks:
                     streamer.watch(r, run.rank_file(a, r, "log"))
             streamer.pump()
-            if RunState(_state(run)).terminal:
+            if state_is_terminal(_state(run)):
                 streamer.pump(final=True)
                 return 0
             time.sleep(0.2)
@@ -236,7 +236,7 @@ def cmd_stacks(args) -> int:
     from .caller.stacks import collect_stacks
     run = _find_run(args.run)
     record = run.launch()
-    if RunState(_state(run)).terminal:
+    if state_is_terminal(_state(run)):
         raise errors.ConfigurationError(f"run {run.run_id} is over ({_state(run)}): there is no "
                                         "stack to take; its logs: gpulaunch logs " + run.run_id)
     print(collect_stacks(run, record.world_size if record else 1, native=args.native or None))

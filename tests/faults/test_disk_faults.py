@@ -15,7 +15,7 @@ from conftest import PY, latest_run_dir, python_env
 
 from gpulaunch import distributed
 from gpulaunch.common import retention
-from gpulaunch.common.records import NodeStatus, RunState
+from gpulaunch.common.records import NodeState, NodeStatus
 from gpulaunch.common.rundir import RunDir, write_json_atomic
 
 
@@ -69,7 +69,7 @@ def test_payload_survives_until_the_last_attempt_loaded_it(gpulaunch_home):
 
 
 # ------------------------------------------------------------------------------ retention
-def _fake_run(root, name: str, *, age_days: float, state=RunState.SUCCEEDED,
+def _fake_run(root, name: str, *, age_days: float, state=NodeState.SUCCEEDED,
               agent_pid: int | None = None, payload: bool = True) -> RunDir:
     path = root / name
     (path / "attempt0").mkdir(parents=True)
@@ -93,9 +93,9 @@ def test_retention_keeps_newest_and_recent_and_never_a_running_run(tmp_path):
     root = tmp_path / "runs"
     old = [_fake_run(root, f"old{i}", age_days=30 + i) for i in range(4)]
     recent = _fake_run(root, "recent", age_days=0.5)
-    running = _fake_run(root, "running", age_days=60, state=RunState.RUNNING,
+    running = _fake_run(root, "running", age_days=60, state=NodeState.RUNNING,
                         agent_pid=os.getpid())
-    crashed = _fake_run(root, "crashed", age_days=40, state=RunState.RUNNING,
+    crashed = _fake_run(root, "crashed", age_days=40, state=NodeState.RUNNING,
                         agent_pid=_dead_pid())
     report = retention.prune(retention.Policy(keep_runs=2, keep_days=7), root=root)
     left = sorted(p.name for p in root.iterdir())
@@ -166,7 +166,7 @@ def test_the_pipeline_prunes_after_a_launch(gpulaunch_home, monkeypatch):
 def test_a_ray_run_whose_agent_pid_is_another_machines_is_kept_while_its_caller_lives(tmp_path):
     from gpulaunch.common.rundir import hostname
     root = tmp_path / "runs"
-    run = _fake_run(root, "ray-run", age_days=30, state=RunState.RUNNING, agent_pid=_dead_pid())
+    run = _fake_run(root, "ray-run", age_days=30, state=NodeState.RUNNING, agent_pid=_dead_pid())
     write_json_atomic(run.launch_json, {"caller_pid": os.getpid(), "host": hostname()})
     t = time.time() - 30 * 86400
     os.utime(run.path, (t, t))

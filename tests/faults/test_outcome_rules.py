@@ -13,13 +13,16 @@ from gpulaunch.caller.outcome import HangReport, RankFailure, RunOutcome, settle
 from gpulaunch.common.records import (
     AttemptRecord,
     Entry,
+    JobStatus,
     LaunchRecord,
     LaunchSpec,
+    NodeState,
     NodeStatus,
     RankError,
     RankExit,
     RunState,
     StopReason,
+    state_is_terminal,
 )
 from gpulaunch.hardware.catalog import GPUType
 
@@ -33,7 +36,7 @@ def _error(rank, exc, *, collateral=False, at=0.0) -> RankError:
 
 
 def _failed(*failures, **kw) -> RunOutcome:
-    return RunOutcome(run_dir="/runs/x", world_size=4, state=RunState.FAILED,
+    return RunOutcome(run_dir="/runs/x", world_size=4, state=NodeState.FAILED,
                       failures=tuple(failures), **kw)
 
 
@@ -43,11 +46,28 @@ def test_records_survive_a_json_round_trip():
     record = LaunchRecord(run_id="r1", label="train", spec=spec, entry=Entry("script", ("a.py",)),
                           extensions={"tracking": {"run_id": "m1"}})
     assert LaunchRecord.from_json(record.to_json()) == record
-    status = NodeStatus(state=RunState.FAILED, pids={0: 11, 1: 12}, history=[
+    status = NodeStatus(state=NodeState.FAILED, pids={0: 11, 1: 12}, history=[
         AttemptRecord(attempt=0, ended=1.5, failures={1: RankExit(rank=1, exitcode=-9)})])
     back = NodeStatus.from_json(status.to_json())
-    assert back == status and back.state is RunState.FAILED and back.pids[1] == 12
-    assert RunState("FAILED").terminal and not RunState.RUNNING.terminal
+    assert back == status and back.state is NodeState.FAILED and back.pids[1] == 12
+    assert NodeState("FAILED").terminal and not NodeState.RUNNING.terminal
+
+
+def test_each_state_machine_has_its_own_states_and_old_files_still_read():
+    # the run (caller's verdict) never has a node's states, nor a node the caller's verdicts
+    assert {s.value for s in RunState} == {"PENDING", "RUNNING", "SUCCEEDED", "FAILED",
+                                           "CANCELLED", "TIMED_OUT"}
+    assert not {"CANCELLED", "TIMED_OUT"} & {s.value for s in NodeState}
+    assert not {"STARTING", "RESTARTING", "STOPPED", "AGENT_ERROR"} & {s.value for s in RunState}
+    # status.json / job.json as releases with one RunState wrote them read as NodeState
+    old = {"state": "AGENT_ERROR", "node_rank": 0, "pids": {"0": 7}}
+    assert NodeStatus.from_data(old).state is NodeState.AGENT_ERROR
+    assert JobStatus.from_data({"state": "NODE_LOST"}).state is NodeState.NODE_LOST
+    # the CLI's reader of any state a run directory holds (tracking.json, job.json, status.json)
+    assert state_is_terminal("TIMED_OUT") and state_is_terminal("STOPPED")
+    assert state_is_terminal("DIED")
+    assert not state_is_terminal("RESTARTING") and not state_is_terminal("PENDING")
+    assert not state_is_terminal("no such state")
 
 
 def test_the_root_cause_is_the_first_rank_that_failed_on_its_own_account():
@@ -108,6 +128,6 @@ def test_multi_node_errors_carry_the_node():
 
 
 def test_success_loads_the_results_only_then():
-    ok = RunOutcome(run_dir="/r", world_size=2, state=RunState.SUCCEEDED,
+    ok = RunOutcome(run_dir="/r", world_size=2, state=NodeState.SUCCEEDED,
                     load_results=lambda: ["a", "b"])
     assert settle(ok) == ["a", "b"]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 from .. import errors
 from ..common import constants
-from ..common.records import RankError, RankExit, RunState, StopReason
+from ..common.records import NodeState, RankError, RankExit, StopReason
 from ..common.rundir import RunDir
 from .logstream import tail_text
 from .outcome import HangReport, LostNode, RankFailure, RunOutcome, root_cause
@@ -209,7 +209,7 @@ def result_loader(run: RunDir, attempt: int, world_size: int, entry_kind: str = 
     return load
 
 
-def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
+def collect(run: RunDir, *, state: NodeState, world_size: int, attempt: int,
             exits: dict[int, RankExit], reason: StopReason | None = None,
             timeout: float | None = None, agent_error: str | None = None,
             agent_traceback: str = "", lost: LostNode | None = None,
@@ -223,7 +223,7 @@ def collect(run: RunDir, *, state: RunState, world_size: int, attempt: int,
         run_dir=str(run.path), world_size=world_size, state=state, reason=reason,
         timeout=timeout, attempt=attempt, entry_kind=entry_kind,
         failures=(rank_failures(run, attempt, exits)
-                  if state is RunState.FAILED or lost is not None else ()),
+                  if state is NodeState.FAILED or lost is not None else ()),
         hang=hang_report(run, attempt, world_size), agent_error=agent_error,
         agent_traceback=agent_traceback, agent_log_tail=tail_text(run.agent_log, 30),
         lost=lost, rank0_log_tail=rank_log(run, attempt, 0, 15),

@@ -29,7 +29,7 @@ import time
 from typing import Callable
 
 from ..common import constants
-from ..common.records import LaunchRecord, RunState, StopReason
+from ..common.records import LaunchRecord, NodeState, RunState, StopReason
 from ..common.rundir import RunDir
 from .registry import ACTIVE
 
@@ -65,7 +65,7 @@ class RunController:
         """Stop every process of the run now; ``ended()`` follows (here, or in the backend)."""
         raise NotImplementedError
 
-    def _final_state(self) -> RunState:
+    def _final_state(self) -> NodeState:
         raise NotImplementedError
 
     def describe(self) -> str:
@@ -147,5 +147,5 @@ class RunController:
             return RunState.TIMED_OUT
         if self.reason is StopReason.CANCELLED:
             return RunState.CANCELLED
-        return RunState.SUCCEEDED if self._final_state() is RunState.SUCCEEDED \
+        return RunState.SUCCEEDED if self._final_state() is NodeState.SUCCEEDED \
             else RunState.FAILED

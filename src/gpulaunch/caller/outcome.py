@@ -18,7 +18,7 @@ from typing import Callable
 
 from .. import errors
 from ..common.procutil import describe_exit
-from ..common.records import PeerFailure, RankError, RunState, StopReason
+from ..common.records import NodeState, PeerFailure, RankError, StopReason
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,7 +74,7 @@ class RunOutcome:
 
     run_dir: str
     world_size: int
-    state: RunState                        # the backend's final state
+    state: NodeState                        # the backend's final state
     reason: StopReason | None = None       # the caller stopped it (timeout / cancel)
     timeout: float | None = None
     attempt: int = 0
@@ -163,7 +163,7 @@ def _settle(o: RunOutcome) -> list:
     if o.reason is StopReason.CANCELLED:
         raise errors.RunCancelledError(f"The run was cancelled; every rank was stopped. "
                                        f"Run directory: {run_dir}", run_dir=run_dir)
-    if o.state is RunState.DISCONNECTED:
+    if o.state is NodeState.DISCONNECTED:
         raise errors.LaunchError(
             f"The connection to the Ray cluster ended while the run was going (ray.shutdown() "
             f"was called, or the head node went away). The job's node agents belonged to this "
@@ -186,17 +186,17 @@ def _settle(o: RunOutcome) -> list:
             f"Every rank was stopped. Python stacks of all ranks at that moment:\n{body}"
             f"{_earlier(o)}\nRun directory: {run_dir}",
             rank=h.detected_by, stacks=dict(h.stacks), run_dir=run_dir)
-    if o.state is RunState.SUCCEEDED:
+    if o.state is NodeState.SUCCEEDED:
         return o.load_results()
-    if o.state is RunState.FAILED and o.peer_failure is not None and \
+    if o.state is NodeState.FAILED and o.peer_failure is not None and \
             (not o.failures or root_cause(o.failures).priority == 2):
         _raise_peer_failure(o)
-    if o.state is RunState.FAILED:
+    if o.state is NodeState.FAILED:
         if not o.failures:
             raise errors.LaunchError(f"The run failed but no rank reported a failure. "
                                      f"Run directory: {run_dir}", run_dir=run_dir)
         _raise_rank_failure(o)
-    if o.state is RunState.AGENT_ERROR:
+    if o.state is NodeState.AGENT_ERROR:
         raise errors.LaunchError(f"gpulaunch's agent failed: {o.agent_error}\n"
                                  f"{o.agent_traceback}Run directory: {run_dir}", run_dir=run_dir)
     raise errors.LaunchError(

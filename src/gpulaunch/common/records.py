@@ -23,30 +23,61 @@ RECORD_VERSION = 2
 
 
 class RunState(str, enum.Enum):
-    """Every state a run, or one node of it, can be in. A ``str`` enum: compares equal to its
-    name, so ``handle.status == "SUCCEEDED"`` keeps working."""
+    """A run as its caller follows it (``handle.status``, ``on_end``, tracking.json): the run
+    controller's state machine (``caller/controller.py``). A ``str`` enum: compares equal to
+    its name, so ``handle.status == "SUCCEEDED"`` keeps working."""
 
-    PENDING = "PENDING"            # caller: created, nothing started yet
+    PENDING = "PENDING"            # created, nothing started yet
+    RUNNING = "RUNNING"
+    SUCCEEDED = "SUCCEEDED"
+    FAILED = "FAILED"              # a rank or the backend failed (restart budget spent)
+    CANCELLED = "CANCELLED"        # cancel(), Ctrl-C
+    TIMED_OUT = "TIMED_OUT"        # timeout=
+
+    @property
+    def terminal(self) -> bool:
+        return self not in (RunState.PENDING, RunState.RUNNING)
+
+    def __str__(self) -> str:
+        return self.value
+
+
+class NodeState(str, enum.Enum):
+    """One node's share of a run as its node agent (or the warm pool) reports it in
+    status.json, the Ray job's account of its nodes in job.json, and how a backend ended
+    (``RunOutcome.state``), which the controller turns into a ``RunState``. The same strings as
+    the ``RunState`` values of older releases: their files read as before."""
+
+    PENDING = "PENDING"            # job.json: the Ray job is placed, no node has reported
     STARTING = "STARTING"          # node agent: up, ranks not started yet
     RUNNING = "RUNNING"
-    RESTARTING = "RESTARTING"      # node agent: an attempt failed, the next one starts
+    RESTARTING = "RESTARTING"      # an attempt failed, the next one starts
     SUCCEEDED = "SUCCEEDED"
     FAILED = "FAILED"              # a rank failed (restart budget spent)
-    STOPPED = "STOPPED"            # node agent: stopped by a signal (the caller's cancel/timeout)
-    AGENT_ERROR = "AGENT_ERROR"    # node agent: failed itself
-    CANCELLED = "CANCELLED"        # caller's verdict: cancel(), Ctrl-C
-    TIMED_OUT = "TIMED_OUT"        # caller's verdict: timeout=
+    STOPPED = "STOPPED"            # stopped by a signal (the caller's cancel/timeout)
+    AGENT_ERROR = "AGENT_ERROR"    # the node agent failed itself
     NODE_LOST = "NODE_LOST"        # Ray: a node stopped answering
     DISCONNECTED = "DISCONNECTED"  # Ray: the caller's cluster connection ended
     DIED = "DIED"                  # CLI's reading: the agent vanished without an end state
 
     @property
     def terminal(self) -> bool:
-        return self not in (RunState.PENDING, RunState.STARTING, RunState.RUNNING,
-                            RunState.RESTARTING)
+        return self not in (NodeState.PENDING, NodeState.STARTING, NodeState.RUNNING,
+                            NodeState.RESTARTING)
 
     def __str__(self) -> str:
         return self.value
+
+
+def state_is_terminal(value: str) -> bool:
+    """Has a run ended, by a state read from its files: a caller's verdict (``RunState``) or a
+    node's or job's account (``NodeState``). An unknown value counts as not ended."""
+    for kind in (RunState, NodeState):
+        try:
+            return kind(value).terminal
+        except ValueError:
+            continue
+    return False
 
 
 class StopReason(str, enum.Enum):
@@ -202,7 +233,7 @@ class PeerFailure(Record):
 class NodeStatus(Record):
     """status.json (node 0) / status.node<n>.json: one node agent's account of its ranks."""
 
-    state: RunState = RunState.STARTING
+    state: NodeState = NodeState.STARTING
     node_rank: int = 0
     attempt: int = 0
     agent_pid: int | None = None
@@ -229,7 +260,7 @@ class JobStatus(Record):
     """job.json in the caller's run directory of a multi-node (Ray) run: the job as the caller
     follows it — its state, each node's ``NodeStatus`` as last reported, phase timings."""
 
-    state: RunState = RunState.PENDING
+    state: NodeState = NodeState.PENDING
     nodes: list[NodeStatus] = dataclasses.field(default_factory=list)
     timings: dict[str, float] = dataclasses.field(default_factory=dict)
     lost_node: int | None = None

@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 
 from . import procutil, rundir
-from .records import RunState
+from .records import NodeState
 
 DEFAULT_KEEP_RUNS = 100
 DEFAULT_KEEP_DAYS = 7.0
@@ -87,7 +87,7 @@ def is_active(run: rundir.RunDir, now: float | None = None) -> bool:
         except OSError:
             return False
     try:
-        state = RunState(data.get("state", RunState.STARTING))
+        state = NodeState(data.get("state", NodeState.STARTING))
     except ValueError:
         return True
     if state.terminal:

@@ -40,8 +40,8 @@ from ...common import constants, procutil, redact
 from ...common.records import (
     RECORD_VERSION,
     LaunchRecord,
+    NodeState,
     NodeStatus,
-    RunState,
 )
 from ...common.rundir import RunDir, read_json
 from ...rank import worker
@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> int:
                 if placement.stop_on_peer_failure and placement.nnodes > 1:
                     peers.append(peer_watch.watch(rdzv.connect_host, rdzv.port, node_rank,
                                                   placement.nnodes, on_peer_failure))
-            status.update(state=RunState.RUNNING, attempt=attempt, pids=pids,
+            status.update(state=NodeState.RUNNING, attempt=attempt, pids=pids,
                           forked_at=forked_at)
 
         # torchelastic's loop restarts (the budget: spec.max_restarts); the history is the
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> int:
 
         def on_restart(attempt, exits):
             policy.record(attempt, "", exits)
-            status.update(state=RunState.RESTARTING, history=list(policy.history))
+            status.update(state=NodeState.RESTARTING, history=list(policy.history))
 
         agent = ElasticAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                              shutdown_grace=spec.shutdown_grace,
@@ -308,11 +308,11 @@ def main(argv: list[str] | None = None) -> int:
         if hooks is not None:
             hooks.stop()
         if peers and peers[0].peer is not None:     # another node failed: so did the job
-            status.update(state=RunState.FAILED, peer_failure=peers[0].peer,
+            status.update(state=NodeState.FAILED, peer_failure=peers[0].peer,
                           ended=time.time())
             peers[0].linger()
             return 1
-        status.update(state=RunState.STOPPED, signal=signal.Signals(e.sigval).name,
+        status.update(state=NodeState.STOPPED, signal=signal.Signals(e.sigval).name,
                       ended=time.time())
         return 128 + int(e.sigval)
     except BaseException as e:  # noqa: BLE001 - the caller must learn why
@@ -320,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
         run.drop_payload()
         if hooks is not None:
             hooks.stop()
-        status.update(state=RunState.AGENT_ERROR, error=f"{type(e).__name__}: {e}",
+        status.update(state=NodeState.AGENT_ERROR, error=f"{type(e).__name__}: {e}",
                       traceback=traceback.format_exc(), ended=time.time())
         traceback.print_exc()
         return 2
@@ -333,11 +333,11 @@ def main(argv: list[str] | None = None) -> int:
             ours, collateral = peer_watch.own_failure(run, agent.attempt, exits, node_rank)
             stood = peers[0].publish(ours, collateral=collateral)
             status.update(peer_failure=stood if stood.node_rank != node_rank else None)
-        status.update(state=RunState.FAILED, failures=exits, ended=time.time())
+        status.update(state=NodeState.FAILED, failures=exits, ended=time.time())
         if peers:
             peers[0].linger()
         return 1
-    status.update(state=RunState.SUCCEEDED, ended=time.time())
+    status.update(state=NodeState.SUCCEEDED, ended=time.time())
     return 0
 
 

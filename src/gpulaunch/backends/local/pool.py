@@ -46,9 +46,9 @@ from ...caller.outcome import root_cause
 from ...common import private, procutil
 from ...common.records import (
     LaunchRecord,
+    NodeState,
     NodeStatus,
     RankExit,
-    RunState,
     StopReason,
 )
 from ...common.rundir import RunDir
@@ -106,7 +106,7 @@ class PoolRun(RunController):
         private.mkdir(self.run.attempt_dir(self.attempt))
         if not self._send(env, call_env):
             return
-        self._update(state=RunState.RUNNING, pids=self.pool.pids, started=time.time(),
+        self._update(state=NodeState.RUNNING, pids=self.pool.pids, started=time.time(),
                      warm_start=self.warm, start_method="pool",
                      start_method_reason=f"keep_alive pool {self.pool.pool_id}")
         if self.streamer:
@@ -133,7 +133,7 @@ class PoolRun(RunController):
             except OSError as e:
                 why = f"a rank's request pipe closed ({e})"
                 if not self.warm:
-                    self._end(RunState.FAILED, {}, teardown=why)
+                    self._end(NodeState.FAILED, {}, teardown=why)
                     return False
                 POOLS.teardown(self.pool, f"{why} while it was idle")
 
@@ -165,7 +165,7 @@ class PoolRun(RunController):
             if errors:
                 self._attempt_failed(self._exits(errors))
             else:
-                self._end(RunState.SUCCEEDED, {})
+                self._end(NodeState.SUCCEEDED, {})
         elif errors:
             now = time.monotonic()
             self._first_error_at = self._first_error_at or now
@@ -206,7 +206,7 @@ class PoolRun(RunController):
         so (a restart drops rt.state; the caller is told in one line), else end the call."""
         if self.policy.decide(self.attempt, stopping=self.reason is not None) \
                 is Decision.GIVE_UP:
-            self._end(RunState.FAILED, exits, teardown=teardown)
+            self._end(NodeState.FAILED, exits, teardown=teardown)
             return
         failed = self.attempt
         cause = self._cause(exits, teardown)
@@ -214,7 +214,7 @@ class PoolRun(RunController):
         self.policy.record(failed, cause, exits)
         if self.run.hang_json.exists():      # the next attempt's hang, if any, is its own
             self.run.hang_json.replace(self.run.attempt_dir(failed) / "hang.json")
-        self._update(state=RunState.RESTARTING, hang=False, history=list(self.policy.history))
+        self._update(state=NodeState.RESTARTING, hang=False, history=list(self.policy.history))
         line = (f"gpulaunch: pool: attempt {failed} failed ({cause}); restarting the call on "
                 f"new ranks (attempt {failed + 1} of {self.spec.max_restarts}): the pool "
                 f"restarted cold{dropped_note(POOLS.dropped) or ', rt.state starts empty'}\n")
@@ -229,7 +229,7 @@ class PoolRun(RunController):
         private.mkdir(self.run.attempt_dir(self.attempt))
         if not self._send(self._env, self._call_env):
             return
-        self._update(state=RunState.RUNNING, attempt=self.attempt, pids=self.pool.pids)
+        self._update(state=NodeState.RUNNING, attempt=self.attempt, pids=self.pool.pids)
         if self.streamer:
             for r in range(self.spec.world_size):
                 self.streamer.watch(r, self.run.rank_file(self.attempt, r, "log"))
@@ -247,9 +247,9 @@ class PoolRun(RunController):
     def _stop(self, reason: StopReason) -> None:
         why = ("the call ran past timeout=" if reason is StopReason.TIMEOUT
                else "the call was cancelled")
-        self._end(RunState.STOPPED, {}, teardown=why, grace=self.spec.shutdown_grace)
+        self._end(NodeState.STOPPED, {}, teardown=why, grace=self.spec.shutdown_grace)
 
-    def _end(self, state: RunState, exits: dict, *, teardown: str | None = None,
+    def _end(self, state: NodeState, exits: dict, *, teardown: str | None = None,
              grace: float = 0.0) -> None:
         if teardown is not None:
             POOLS.teardown(self.pool, teardown, grace)
@@ -267,7 +267,7 @@ class PoolRun(RunController):
         return sorted(self.pool.pids.values()) if self.pool else []
 
     # ------------------------------------------------------------------ results
-    def _final_state(self) -> RunState:
+    def _final_state(self) -> NodeState:
         return self._status.state
 
     def outcome(self):

@@ -21,7 +21,7 @@ from ...caller import collect
 from ...caller.controller import RunController
 from ...caller.logstream import LogStreamer
 from ...common import constants, procutil, redact
-from ...common.records import LaunchRecord, RunState, StopReason
+from ...common.records import LaunchRecord, NodeState, StopReason
 from ...common.rundir import RunDir
 from ...errors import ConfigurationError
 from .standby import STANDBY
@@ -204,7 +204,7 @@ class LocalRun(RunController):
                 self.streamer.watch(r, self.run.rank_file(latest, r, "log"))
 
     # ------------------------------------------------------------------ results
-    def _final_state(self) -> RunState:
+    def _final_state(self) -> NodeState:
         return self.run.status(self.record.placement.node_rank).state
 
     def outcome(self):

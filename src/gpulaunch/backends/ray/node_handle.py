@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 
 from ...common import constants
-from ...common.records import NodeStatus, RunState
+from ...common.records import NodeState, NodeStatus
 from ...common.rundir import RunDir
 from . import calls, mirror
 
@@ -31,7 +31,7 @@ class NodeHandle:
 
     @property
     def failed(self) -> bool:
-        return self.done and self.status.state is not RunState.SUCCEEDED
+        return self.done and self.status.state is not NodeState.SUCCEEDED
 
     def ask(self) -> None:
         """Send a poll unless one is in flight (or the node is done)."""
@@ -49,7 +49,7 @@ class NodeHandle:
             # drained: the agent has ended and every file it left has arrived
             self.done = True
             if answer.get("agent_tail") and not self.status.state.terminal:
-                self.status.state = RunState.AGENT_ERROR
+                self.status.state = NodeState.AGENT_ERROR
                 self.status.error = "the node's agent stopped unexpectedly"
                 self.status.traceback = answer["agent_tail"]
 

@@ -14,7 +14,7 @@ import cloudpickle
 
 from ...caller.controller import RunController
 from ...caller.outcome import RankFailure, RunOutcome
-from ...common.records import LaunchRecord, RankError, RunState, StopReason
+from ...common.records import LaunchRecord, NodeState, RankError, StopReason
 from ...common.rundir import RunDir
 from . import placement
 from .cluster import RayCluster, connect
@@ -120,28 +120,28 @@ class RayProgramRun(RunController):
                 pass
             self._pg = None
 
-    def _final_state(self) -> RunState:
-        return RunState.SUCCEEDED if self._result and self._result[0] == "ok" \
-            else RunState.FAILED
+    def _final_state(self) -> NodeState:
+        return NodeState.SUCCEEDED if self._result and self._result[0] == "ok" \
+            else NodeState.FAILED
 
     def outcome(self) -> RunOutcome:
         base = dict(run_dir=str(self.run.path), world_size=self.spec.world_size,
                     reason=self.reason, timeout=self.spec.timeout, entry_kind="ray_program")
         if self._result is None:
-            return RunOutcome(state=RunState.STOPPED, **base)
+            return RunOutcome(state=NodeState.STOPPED, **base)
         kind, value = self._result
         if kind == "ok":
             rest = [None] * (self.spec.world_size - 1)
-            return RunOutcome(state=RunState.SUCCEEDED, load_results=lambda: [value] + rest,
+            return RunOutcome(state=NodeState.SUCCEEDED, load_results=lambda: [value] + rest,
                               **base)
         cause = getattr(value, "cause", None)
         if isinstance(cause, BaseException) and type(value).__name__.startswith("RayTaskError"):
             err = RankError(type=f"{type(cause).__module__}.{type(cause).__qualname__}",
                             message=str(cause), traceback=str(value), rank=0, host="node 0",
                             exception=_pickled(cause), time=time.time())
-            return RunOutcome(state=RunState.FAILED, failures=(RankFailure(0, 1, err, "node 0"),),
+            return RunOutcome(state=NodeState.FAILED, failures=(RankFailure(0, 1, err, "node 0"),),
                               **base)
-        return RunOutcome(state=RunState.AGENT_ERROR,
+        return RunOutcome(state=NodeState.AGENT_ERROR,
                           agent_error=f"ray_launch {self.label}: {type(value).__name__}: {value}",
                           **base)
 

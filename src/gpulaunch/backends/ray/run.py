@@ -27,7 +27,7 @@ from ...caller.failure_policy import Decision, FailurePolicy
 from ...caller.logstream import LogStreamer
 from ...caller.outcome import LostNode
 from ...common import constants
-from ...common.records import JobStatus, LaunchRecord, RunState, StopReason
+from ...common.records import JobStatus, LaunchRecord, NodeState, StopReason
 from ...common.rundir import RunDir, hostname, write_json_atomic
 from . import calls, placement, restarts
 from .cluster import RayCluster, connect, has_local_paths
@@ -94,7 +94,7 @@ class RayRun(RunController):
         except BaseException as e:
             self._teardown()
             self.finished = True
-            self._write_job(RunState.AGENT_ERROR)
+            self._write_job(NodeState.AGENT_ERROR)
             if isinstance(e, (errors.GpulaunchError, KeyboardInterrupt)):
                 raise
             raise errors.LaunchError(
@@ -107,7 +107,7 @@ class RayRun(RunController):
                                         show=self.spec.shows_rank, write=self.write)
             for r in range(self.spec.world_size):
                 self.streamer.watch(r, self.run.rank_file(0, r, "log"))
-        self._write_job(RunState.RUNNING)
+        self._write_job(NodeState.RUNNING)
 
     def _start_nodes(self, ray) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -170,7 +170,7 @@ class RayRun(RunController):
             self._finish(None)
             return
         if "ranks_spawned" not in self.timings and all(
-                n.status.state is RunState.RUNNING or n.status.state.terminal
+                n.status.state is NodeState.RUNNING or n.status.state.terminal
                 for n in self.nodes):
             self._mark("ranks_spawned")
         if self.streamer:
@@ -186,7 +186,7 @@ class RayRun(RunController):
         elif all(n.done for n in self.nodes):
             self._finish(None)
         else:
-            self._write_job(RunState.RUNNING)
+            self._write_job(NodeState.RUNNING)
 
     def _stop(self, reason: StopReason) -> None:
         self._finish(reason)
@@ -202,7 +202,7 @@ class RayRun(RunController):
                                        self.spec.world_size, self.spec.nproc_per_node)
         exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
         self.policy.record(self.attempt, cause, exits)
-        self._write_job(RunState.RESTARTING)
+        self._write_job(NodeState.RESTARTING)
         if self.streamer:
             self.streamer.pump(final=True)
             self.streamer.write(restarts.announce(self.attempt, cause, self.spec.max_restarts))
@@ -228,7 +228,7 @@ class RayRun(RunController):
         if self.streamer:
             for r in range(self.spec.world_size):
                 self.streamer.watch(r, self.run.rank_file(self.attempt, r, "log"))
-        self._write_job(RunState.RUNNING)
+        self._write_job(NodeState.RUNNING)
         return False
 
     def _lost(self) -> NodeHandle | None:
@@ -312,7 +312,7 @@ class RayRun(RunController):
                                           host=hostname(), started=time.time())
         self.run.write_launch(self.record)
 
-    def _write_job(self, state: RunState) -> None:
+    def _write_job(self, state: NodeState) -> None:
         lost = self._lost()
         job = JobStatus(state=state, nodes=[n.status for n in self.nodes], timings=self.timings,
                         lost_node=lost.node_rank if lost else None,
@@ -320,25 +320,25 @@ class RayRun(RunController):
                         history=self.policy.history)
         write_json_atomic(self.run.job_json, job.to_data())
 
-    def _final_state(self) -> RunState:
+    def _final_state(self) -> NodeState:
         states = [n.status.state for n in self.nodes]
         if self.conn is not None and self.conn.ended:
-            return RunState.DISCONNECTED
+            return NodeState.DISCONNECTED
         if self._lost() is not None:
-            return RunState.NODE_LOST
-        if states and all(s is RunState.SUCCEEDED for s in states):
-            return RunState.SUCCEEDED
-        if any(s is RunState.FAILED for s in states) or self._errors.raised(self.attempt):
-            return RunState.FAILED
-        if any(s is RunState.AGENT_ERROR for s in states):
-            return RunState.AGENT_ERROR
-        return RunState.STOPPED
+            return NodeState.NODE_LOST
+        if states and all(s is NodeState.SUCCEEDED for s in states):
+            return NodeState.SUCCEEDED
+        if any(s is NodeState.FAILED for s in states) or self._errors.raised(self.attempt):
+            return NodeState.FAILED
+        if any(s is NodeState.AGENT_ERROR for s in states):
+            return NodeState.AGENT_ERROR
+        return NodeState.STOPPED
 
     # ------------------------------------------------------------------ results
 
     def outcome(self):
         exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
-        broken = next((n for n in self.nodes if n.status.state is RunState.AGENT_ERROR), None)
+        broken = next((n for n in self.nodes if n.status.state is NodeState.AGENT_ERROR), None)
         lost = self._lost()
         lost_node = None
         if lost is not None and self.reason is None:
@@ -346,8 +346,8 @@ class RayRun(RunController):
             lost_node = LostNode(lost.node_rank, lost.lost_why, lost.describe(per),
                                  host=lost.info.get("host"), first_rank=lost.node_rank * per)
         state = self._final_state()
-        if state is RunState.NODE_LOST and lost_node is None:
-            state = RunState.STOPPED
+        if state is NodeState.NODE_LOST and lost_node is None:
+            state = NodeState.STOPPED
         return collect.collect(
             self.run, state=state, world_size=self.spec.world_size, attempt=self.attempt,
             exits=exits, history=self.policy.history,
