@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Make sure a headless Chromium is installed, for tests/test_panel_browser.py (the live panel
+# Make sure a headless Chromium is installed, for tests/notebook/test_panel_browser.py (the live panel
 # in a real JupyterLab; jupyterlab itself comes from the test extra, scripts/venv.sh): nothing
 # to do when it is; else apt-get install Debian's chromium, non-interactively, as root only.
 # Exit 0 when it is installed at the end, 1 (with the reason on stderr) when not; the browser

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Make sure Slurm (slurmctld, slurmd, srun, sbatch) and munge are installed, for
-# tests/test_slurm.py: nothing to do when they are; else apt-get install, non-interactively, as
+# tests/slurm/test_slurm.py: nothing to do when they are; else apt-get install, non-interactively, as
 # root only. Exit 0 when they are installed at the end, 1 (with the reason on stderr) when not;
 # the Slurm tests then skip and say why.
 set -uo pipefail

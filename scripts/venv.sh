@@ -16,7 +16,7 @@ constraints="${GPULAUNCH_CONSTRAINTS-$repo/scripts/constraints.txt}"
 # TorchRec (the Lightning two-tower recipe's embedding tables), with the test extra: its wheel
 # pins torchmetrics==1.0.3 and the CUDA fbgemm-gpu, which would break Lightning's torchmetrics
 # and download gigabytes. TorchRec without those pins plus fbgemm's CPU build work with this
-# torch (tests/test_recipes.py trains the recipe with it), so they go in with --no-deps.
+# torch (tests/recipes/test_recipes.py trains the recipe with it), so they go in with --no-deps.
 # GPULAUNCH_TORCHREC=0 leaves them out.
 torchrec_spec=""
 if [ "${GPULAUNCH_TORCHREC:-1}" != 0 ] && [[ ",$extras," == *,test,* ]]; then

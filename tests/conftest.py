@@ -19,8 +19,9 @@ def gpulaunch_home(tmp_path, monkeypatch):
     monkeypatch.setenv("GPULAUNCH_HOME", str(tmp_path / "gpulaunch-home"))
     monkeypatch.setenv("GPULAUNCH_FORCE_CPU", "1")
     monkeypatch.setenv("GPULAUNCH_QUIET", "1")
-    # MLflow tracking is on by default when mlflow is installed; tests opt in (test_tracking.py)
-    # so the rest of the suite does not pay an MLflow import and a store per launch.
+    # MLflow tracking is on by default when mlflow is installed; tests opt in
+    # (tests/tracking/test_tracking.py) so the rest of the suite does not pay an MLflow import
+    # and a store per launch.
     monkeypatch.setenv("GPULAUNCH_TRACKING", "0")
     yield tmp_path / "gpulaunch-home"
 
@@ -80,3 +81,36 @@ def pytest_runtest_makereport(item, call):
     rep = yield
     setattr(item, f"rep_{rep.when}", rep)
     return rep
+
+
+# Test tiers (pyproject's markers; scripts/test.sh -m unit runs one): ``unit`` is marked by hand
+# on pure tests, ``gpu`` and ``slow`` by hand too; every other test is ``integration``.
+TIERS = ("unit", "slow", "gpu")
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(pytest.mark.integration)
+
+
+class _NoProcess(AssertionError):
+    pass
+
+
+@pytest.fixture(autouse=True)
+def _unit_tests_start_no_process(request, monkeypatch):
+    """A ``unit`` test starts no process: the unit tier stays a few seconds on any machine."""
+    if request.node.get_closest_marker("unit") is None:
+        yield
+        return
+    import subprocess
+
+    def refuse(*args, **kwargs):
+        raise _NoProcess(f"{request.node.nodeid} is marked unit but starts a process; "
+                         "mark it integration (the default) instead")
+    monkeypatch.setattr(subprocess.Popen, "_execute_child", refuse)
+    monkeypatch.setattr(os, "fork", refuse)
+    if hasattr(os, "posix_spawn"):
+        monkeypatch.setattr(os, "posix_spawn", refuse)
+    yield

@@ -1,5 +1,5 @@
 """A real JupyterLab server and a headless Chromium driven over the Chrome DevTools Protocol,
-for tests/test_panel_browser.py. Nothing downloaded at test time: JupyterLab from the test
+for tests/notebook/test_panel_browser.py. Nothing downloaded at test time: JupyterLab from the test
 environment (PyPI ``jupyterlab``), the browser from the system (Debian's ``chromium``), the
 protocol over ``websocket-client`` (a dependency of jupyter_server).
 

@@ -1,5 +1,5 @@
 """torchelastic's private names that the node agent relies on, on the GPU host's torch (2.11
-when this was written; CI checks torch 2.14 in tests/test_elastic_compat.py)."""
+when this was written; CI checks torch 2.14 in tests/launch/test_elastic_compat.py)."""
 
 from __future__ import annotations
 

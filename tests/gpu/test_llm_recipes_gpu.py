@@ -168,7 +168,7 @@ def test_llmfoundry_on_gpu(tmp_path):
         pytest.skip("llm-foundry is not on this machine: it needs torch 2.7 (every release pins "
                     "torch<2.7.1) and that environment (the 865 MB torch wheel alone) cannot be "
                     "carried in a device call's 64 MiB; it runs on CPU ranks instead "
-                    "(tests/test_recipes_llm.py, scripts/recipe_venv.sh llmfoundry)")
+                    "(tests/recipes/test_recipes_llm.py, scripts/recipe_venv.sh llmfoundry)")
     r, _ = run_recipe("llmfoundry_fsdp", tmp_path, "-x", "global_batch=4")
     assert r["technique"] in ("fsdp1", "fsdp2", "ddp") and r["export_check"]["ok"]
     check_measured(r)

@@ -14,7 +14,7 @@ What it restores (from the newest *complete* checkpoint: a save that crashed hal
 picked): model and optimizer (sharded DCP, or DeepSpeed's own), the lr scheduler and grad
 scaler, gradient-accumulation position, each rank's RNG (torch, CUDA, Python, NumPy) when the
 world size is the same, and the loader's epoch and batches consumed. On CPU that continuation
-is bit-exact (``tests/test_resume.py``: a rank SIGKILLed mid-epoch, ``max_restarts=1``, final
+is bit-exact (``tests/parallel/test_resume.py``: a rank SIGKILLed mid-epoch, ``max_restarts=1``, final
 weights equal to an uninterrupted run's).
 
 The loader position comes from rank 0's count, which is every rank's: all ranks take the same

@@ -7,8 +7,8 @@ from typing import Any
 import torch
 
 from ._env import ParallelError
+from .activation_checkpoint import apply_activation_checkpointing
 from .blocks import find_blocks
-from .compile import apply_activation_checkpointing
 from .prepared import DeepSpeedPrepared
 
 __all__ = ["deepspeed_config", "prepare_deepspeed", "zero_speed_settings"]
@@ -116,9 +116,7 @@ def prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activ
     stage = int(strategy[-1])
     blist = find_blocks(model, blocks)
     if activation_checkpointing:
-        if not blist:
-            raise ParallelError("activation_checkpointing=True but no repeated blocks were found; pass blocks=")
-        apply_activation_checkpointing(blist)
+        apply_activation_checkpointing(blist, activation_checkpointing)
     cfg = deepspeed_config(stage, mixed_precision=mixed_precision, gradient_accumulation_steps=gas,
                            max_grad_norm=max_grad_norm, cpu_offload=cpu_offload,
                            micro_batch_size=micro_batch_size, overrides=overrides,

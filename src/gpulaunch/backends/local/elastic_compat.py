@@ -3,7 +3,7 @@
 The node agent is torchelastic's ``LocalElasticAgent`` (the machinery behind torchrun). What
 gpulaunch needs beyond its public surface is done here and nowhere else, so that a torch
 upgrade breaks one module, and ``missing_private_api()`` says what broke
-(``tests/test_elastic_compat.py`` runs it on torch 2.14 here and 2.11 on the GPU host):
+(``tests/launch/test_elastic_compat.py`` runs it on torch 2.14 here and 2.11 on the GPU host):
 
 * overridden protected methods: ``_start_workers`` (fork every rank behind a gate, then
   report), ``_monitor_workers`` (forked ranks succeed by exit code), ``_restart_workers``

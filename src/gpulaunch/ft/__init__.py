@@ -1,0 +1,33 @@
+"""``gpulaunch.ft``: per-step fault tolerance on torchft (``pip install 'gpulaunch[ft]'``).
+
+Replica groups train the same model; when one fails, the others keep stepping, gpulaunch
+launches the failed group again, and it takes the current weights and optimizer state from a
+live peer at its first step (no checkpoint reload). torchft's lighthouse forms each step's
+quorum; gpulaunch starts and supervises it.
+
+    from gpulaunch import ft
+
+    def train(steps):
+        model = Net()
+        r = ft.replicated(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        while r.step < steps:
+            r.optimizer.zero_grad()
+            x, y = batch(r.step, ft.replica_id())
+            loss_fn(r.model(x), y).backward()
+            r.optimizer.step()
+        return r.summary()
+
+    result = ft.run_replicas(train, 200, replicas=3)
+    print(result.summary())        # which groups failed, when, how many steps each missed
+
+See docs/fault-tolerance.md.
+"""
+
+from .lighthouse import Lighthouse, LighthouseError
+from .replicas import ReplicaGroups, run_replicas
+from .replicated import Replicated, attempt, num_replicas, replica_id, replicated
+from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
+
+__all__ = ["Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups", "ReplicasResult",
+           "Replicated", "attempt", "group_pids", "num_replicas", "read_steps", "replica_id",
+           "replicated", "run_replicas"]

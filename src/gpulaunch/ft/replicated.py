@@ -1,0 +1,259 @@
+"""Rank side: a model and optimizer under torchft's ``Manager``, one replica group per launch.
+
+    from gpulaunch import ft, runtime as rt
+
+    def train(steps):
+        model = Net()
+        r = ft.replicated(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+        while r.step < steps:
+            r.optimizer.zero_grad()            # starts this step's quorum
+            x, y = batch(r.step, ft.replica_id())
+            loss_fn(r.model(x), y).backward()  # gradients averaged across live replica groups
+            r.optimizer.step()                 # applied only if every live group committed
+        return r.summary()
+
+Every replica group trains the same model; torchft's lighthouse forms a quorum of the live
+groups at each step, and a group that joins late (a restarted one) receives the current weights
+and optimizer state from a live peer at its first step (torchft's HTTP checkpoint transport),
+not from a checkpoint on disk. Replica groups are one rank each here (torchft's DDP); the
+caller starts them with :func:`gpulaunch.ft.run_replicas`, which also sets the variables read
+below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+from datetime import timedelta
+from typing import Any
+
+from ..errors import ConfigurationError
+
+# set by the caller side (replicas.py) for every rank of a replica group
+ENV_REPLICA = "GPULAUNCH_FT_REPLICA"
+ENV_REPLICAS = "GPULAUNCH_FT_REPLICAS"
+ENV_ATTEMPT = "GPULAUNCH_FT_ATTEMPT"
+ENV_DIR = "GPULAUNCH_FT_DIR"
+ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"           # torchft's own name for it
+ENV_HEAL_FROM = "GPULAUNCH_FT_HEAL_FROM"        # a restarted group must rejoin past this step
+
+
+def replica_id() -> int:
+    """This rank's replica group (0 .. num_replicas()-1); pick its data with it."""
+    return int(os.environ.get(ENV_REPLICA, os.environ.get("REPLICA_GROUP_ID", "0")))
+
+
+def num_replicas() -> int:
+    """How many replica groups the run was started with (fewer may be alive at a step)."""
+    return int(os.environ.get(ENV_REPLICAS, os.environ.get("NUM_REPLICA_GROUPS", "1")))
+
+
+def attempt() -> int:
+    """0 for a replica group's first start, 1 after its first restart, ..."""
+    return int(os.environ.get(ENV_ATTEMPT, "0"))
+
+
+class _Progress:
+    """Appends one JSON line per committed step (group rank 0) to the run's ft folder, which
+    the caller reads to say when a group failed, when it was back and what it missed."""
+
+    def __init__(self, group_rank: int):
+        folder = os.environ.get(ENV_DIR)
+        self.path = None
+        self.first = True
+        if folder:
+            stem = os.path.join(folder, f"replica{replica_id()}")
+            with open(f"{stem}.attempt{attempt()}.rank{group_rank}.pid", "w") as f:
+                f.write(str(os.getpid()))
+            if group_rank == 0:
+                self.path = f"{stem}.steps.jsonl"
+        self.healed_to: int | None = None
+
+    def committed(self, step: int, participants: int) -> None:
+        # The first commit of a process whose step is past 1 received its state from a peer.
+        if self.first and step > 1:
+            self.healed_to = step - 1
+        heal_from = int(os.environ.get(ENV_HEAL_FROM, "-1"))
+        if self.first and heal_from > 0 and step <= heal_from:
+            raise RuntimeError(
+                f"replica group {replica_id()} was restarted after the run reached step "
+                f"{heal_from}, but no live replica group was there to heal from (all failed or "
+                "finished); it would have trained again from step 0. Resume such a run from a "
+                "checkpoint (gpulaunch.parallel.resume).")
+        if self.path is not None:
+            rec = {"a": attempt(), "step": step, "t": round(time.time(), 4), "n": participants}
+            if self.first and self.healed_to is not None:
+                rec["healed_to"] = self.healed_to
+            with open(self.path, "a") as f:        # one write per line
+                f.write(json.dumps(rec) + "\n")
+        self.first = False
+
+
+def _optimizer_class():
+    from torchft.optim import OptimizerWrapper
+
+    class ReplicatedOptimizer(OptimizerWrapper):
+        """torchft's optimizer wrapper that also records each committed step."""
+
+        def __init__(self, manager, optim, progress: _Progress):
+            super().__init__(manager, optim)
+            self.progress = progress
+            self.committed_steps = 0
+            self.skipped_steps = 0
+
+        def step(self, closure=None) -> bool:
+            """Step the wrapped optimizer if every live replica group committed; returns
+            whether it did (a step that lost a peer mid-way is dropped everywhere)."""
+            if closure is not None:
+                raise ConfigurationError("ft.replicated: optimizers that need a closure "
+                                         "(LBFGS) are not supported")
+            if not self.manager.should_commit():
+                self.skipped_steps += 1
+                return False
+            self.optim.step()
+            self.committed_steps += 1
+            self.progress.committed(self.manager.current_step(),
+                                    self.manager.num_participants())
+            return True
+
+    return ReplicatedOptimizer
+
+
+def _ddp_class():
+    import torch
+    from torchft.ddp import DistributedDataParallel
+
+    class ReplicatedDDP(DistributedDataParallel):
+        """torchft's DDP with a gradient hook that survives a peer dying mid-all-reduce.
+
+        torchft 0.2.0's own hook asserts on the future of a failed all-reduce and so crashes
+        the surviving group too (fixed upstream after 0.2.0). Here a failed all-reduce hands
+        the bucket back unchanged: the manager has recorded the error, so ``should_commit()``
+        is False on every group and the step is dropped, as torchft intends."""
+
+        @staticmethod
+        def _comm_hook(state, bucket):
+            work = state.allreduce(bucket.buffer())
+            ok = work.wait()
+            inner = getattr(work.get_future(), "_fut", None)
+            if ok and inner is not None:
+                return inner
+            done = torch.futures.Future()
+            done.set_result(bucket.buffer())
+            return done
+
+    return ReplicatedDDP
+
+
+@dataclasses.dataclass
+class Replicated:
+    """What :func:`replicated` returns: the wrapped ``model`` and ``optimizer`` (use them as
+    the plain ones), torchft's ``manager``, and the step of the whole run (``step``)."""
+
+    model: Any
+    optimizer: Any
+    manager: Any
+    progress: _Progress
+
+    @property
+    def step(self) -> int:
+        """Steps committed by the run so far (the same on every live group; a group that
+        healed jumps to its peers' step)."""
+        return self.manager.current_step()
+
+    @property
+    def participants(self) -> int:
+        """Replica groups in the current quorum."""
+        return self.manager.num_participants()
+
+    def summary(self) -> dict:
+        """A small record to return from the function: replica, attempt, steps, healing."""
+        return {"replica": replica_id(), "attempt": attempt(), "step": self.step,
+                "committed_steps": self.optimizer.committed_steps,
+                "skipped_steps": self.optimizer.skipped_steps,
+                "healed_to": self.progress.healed_to,
+                "batches_committed": self.manager.batches_committed()}
+
+    def shutdown(self) -> None:
+        """Stop the manager's servers (also done when the process ends)."""
+        self.manager.shutdown(wait=False)
+
+
+def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0,
+               quorum_timeout: float = 60.0, quorum_retries: int = 10,
+               state: dict | None = None, lighthouse: str | None = None) -> Replicated:
+    """Put ``model`` and ``optimizer`` under torchft's Manager for this replica group.
+
+    Args:
+        model: the plain ``nn.Module`` on this rank's device; every group builds the same one
+            (the groups' step-0 weights are made equal by torchft before the first step).
+        optimizer: a built optimizer over ``model.parameters()``.
+        min_replicas: fewest live replica groups a step needs to commit.
+        timeout: seconds for one cross-group all-reduce, commit vote or state transfer; a
+            peer that vanished mid-step costs at most this.
+        quorum_timeout: seconds a group waits for a quorum (a restarted group waits here for
+            its peers' next step).
+        quorum_retries: times a quorum request is retried when the lighthouse fails; torchft
+            waits ``quorum_timeout / (quorum_retries + 1)`` before each retry (5.5 s by default),
+            which is what a restarted lighthouse costs the groups.
+        state: more objects with ``state_dict()`` / ``load_state_dict()`` (an lr scheduler, a
+            data loader's position) sent with the weights to a healing group, by name.
+        lighthouse: the lighthouse address; default ``$TORCHFT_LIGHTHOUSE`` (set by
+            :func:`run_replicas`).
+    """
+    import torch.distributed as dist
+
+    from .. import runtime as rt
+
+    address = lighthouse or os.environ.get(ENV_LIGHTHOUSE)
+    if not address:
+        raise ConfigurationError(
+            "ft.replicated() needs a torchft lighthouse: start the function with "
+            "gpulaunch.ft.run_replicas(...) (it starts one), or pass lighthouse='http://host:port'.")
+    for name, obj in (state or {}).items():
+        if not (hasattr(obj, "state_dict") and hasattr(obj, "load_state_dict")):
+            raise ConfigurationError(f"ft.replicated(state={{{name!r}: ...}}): a "
+                                     f"{type(obj).__name__} has no state_dict()/load_state_dict()")
+    try:
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
+    except ImportError as e:
+        raise ConfigurationError(f"gpulaunch.ft needs torchft ({e}): pip install "
+                                 "'gpulaunch[ft]'") from e
+    rt.init()                                    # the group's own store and process group
+    if dist.get_world_size() != 1:
+        raise ConfigurationError(
+            f"ft.replicated() runs one rank per replica group (this group has "
+            f"{dist.get_world_size()}): start more replicas with run_replicas(replicas=N, "
+            "gpus_per_replica=1).")
+    device = next(model.parameters()).device
+    pg_timeout = timedelta(seconds=timeout)
+    pg = ProcessGroupNCCL(timeout=pg_timeout) if device.type == "cuda" \
+        else ProcessGroupGloo(timeout=pg_timeout)
+    extra = dict(state or {})
+
+    def state_dict():
+        out = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        out.update({name: obj.state_dict() for name, obj in extra.items()})
+        return out
+
+    def load_state_dict(sd):
+        model.load_state_dict(sd["model"])
+        optimizer.load_state_dict(sd["optim"])
+        for name, obj in extra.items():
+            obj.load_state_dict(sd[name])
+
+    host = os.environ.get("MASTER_ADDR", "127.0.0.1")
+    manager = Manager(
+        pg=pg, min_replica_size=min_replicas, load_state_dict=load_state_dict,
+        state_dict=state_dict, replica_id=f"gpulaunch_replica_{replica_id()}",
+        lighthouse_addr=address, timeout=pg_timeout,
+        quorum_timeout=timedelta(seconds=quorum_timeout), quorum_retries=quorum_retries,
+        connect_timeout=timedelta(seconds=max(timeout, 10.0)),
+        # advertise an address the peers can reach: loopback on one host
+        **({"hostname": "127.0.0.1"} if host in ("127.0.0.1", "localhost", "::1") else {}))
+    progress = _Progress(group_rank=dist.get_rank())
+    ddp = _ddp_class()(manager, model)
+    opt = _optimizer_class()(manager, optimizer, progress)
+    return Replicated(model=ddp, optimizer=opt, manager=manager, progress=progress)
