@@ -6,6 +6,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 from conftest import PY, ROOT, python_env
 
 sys.path.insert(0, str(ROOT / "bench"))
@@ -30,6 +31,7 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert "14 runs" in p.stdout
 
 
+@pytest.mark.unit
 def test_ratios_and_loss_checks():
     def run(label, role, rate, loss=None):
         return {"label": label, "role": role, "rc": 0, "row": label,
@@ -52,6 +54,7 @@ def test_ratios_and_loss_checks():
     assert "| 61200 | 1.2 |" in md
 
 
+@pytest.mark.slow
 def test_smoke_runs_one_anchor_row_through_its_cpu_mirror(tmp_path):
     p = _bench("--smoke", "--only", "anchor_lora_1", "--out", str(tmp_path), timeout=600)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]

@@ -17,6 +17,8 @@ from transformers import LlamaConfig  # noqa: E402
 from gpulaunch.hf import speed_settings  # noqa: E402
 from gpulaunch.parallel.zero import deepspeed_config, zero_speed_settings  # noqa: E402
 
+pytestmark = pytest.mark.unit
+
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
                 tie_word_embeddings=True)
