@@ -114,7 +114,9 @@ def test_gpu_choices_for_lora_on_an_h200(as_if_gpu):
     a = s.trainer_args
     assert a["bf16"] is True and a["tf32"] is True and a["optim"] == "adamw_torch_fused"
     assert a["torch_compile"] is True
-    assert a["use_liger_kernel"] is True                   # liger-kernel is installed here
+    import importlib.util
+    liger = importlib.util.find_spec("liger_kernel") is not None   # the test extra installs it
+    assert a["use_liger_kernel"] is liger, s.reasons["use_liger_kernel"]
     assert a["gradient_checkpointing"] is False and "planner" in s.reasons["gradient_checkpointing"]
     assert s.fuse_lora is True
 
