@@ -10,7 +10,8 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
   the split form after, if the budget allows). Target: recipe / anchor >= 1.0 (stretch 1.3).
 - ``full``: the compiled full fine-tuning anchor (``anchors/hf_llama_loop.py``) first and last,
   between them ``trl_sft_full_zero3`` with ``--speed auto`` (tuned ZeRO-3 dict) and ``--speed
-  off`` (the seed's dict), each under gpulaunch and under ``accelerate launch --use_deepspeed``.
+  off`` (the seed's dict), each under gpulaunch and under ``accelerate launch --use_deepspeed``,
+  and the seed's dict under gpulaunch with ``OMP_NUM_THREADS=1`` (what accelerate launch sets).
   Targets: auto / accelerate(off) >= 1.0, auto / anchor >= 0.8.
 - ``quality``: ``trl_sft_lora_ddp`` and ``trl_sft_lora_fsdp`` with ``--speed off``, the same
   steps and seed: each fast run's final eval loss must be within 2% of its plain twin's (the
@@ -58,10 +59,12 @@ class Item:
     role: str = ""                               # anchor_lora, fast, plain, ...
 
 
-def _recipe(label, group, recipe, args, *, role, row, est_s, launcher="gpulaunch", smoke=False):
+def _recipe(label, group, recipe, args, *, role, row, est_s, launcher="gpulaunch", smoke=False,
+            env=None):
     accel = ["--mixed_precision", "no" if smoke else "bf16"] if launcher == "accelerate" else []
     run = recipes_bench.Run(label, recipe, args, launcher=launcher, limit_s=2 * est_s + 60,
-                            est_s=est_s, row=row, group=group, launcher_args=accel)
+                            est_s=est_s, row=row, group=group, launcher_args=accel,
+                            extra_env=dict(env or {}))
     return Item(label, group, row, est_s, recipe=run, role=role)
 
 
@@ -102,6 +105,12 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("zero3_plain_accelerate", group, "trl_sft_full_zero3", z3 + plain,
                         role="accelerate", launcher="accelerate", smoke=smoke,
                         row="the same under accelerate launch --use_deepspeed", est_s=50),
+                # the one launch-environment difference found statically: accelerate launch
+                # sets OMP_NUM_THREADS=1 (its --num_cpu_threads_per_process default), torchrun
+                # and gpulaunch leave it unset for a single process
+                _recipe("zero3_plain_omp1", group, "trl_sft_full_zero3", z3 + plain,
+                        role="plain_omp1", env={"OMP_NUM_THREADS": "1"}, smoke=smoke,
+                        row="--speed off under gpulaunch with OMP_NUM_THREADS=1", est_s=50),
                 _recipe("zero3_fast_accelerate", group, "trl_sft_full_zero3", z3,
                         role="accelerate_fast", launcher="accelerate", smoke=smoke,
                         row="--speed auto under accelerate launch --use_deepspeed", est_s=60),
@@ -170,11 +179,12 @@ def ratios(runs: list[dict]) -> dict:
     for label in ("lora_ddp_fast", "lora_fsdp_fast", "fused_merged", "fused_split"):
         out[f"{label}_vs_anchor_lora"] = ratio(_rate(by.get(label, {})), anchor_lora)
     z = {k: _rate(by.get(k, {})) for k in ("zero3_fast", "zero3_plain", "zero3_plain_accelerate",
-                                           "zero3_fast_accelerate")}
+                                           "zero3_fast_accelerate", "zero3_plain_omp1")}
     out["zero3_fast_vs_accelerate_plain"] = ratio(z["zero3_fast"], z["zero3_plain_accelerate"])
     out["zero3_fast_vs_accelerate_fast"] = ratio(z["zero3_fast"], z["zero3_fast_accelerate"])
     out["zero3_plain_accelerate_vs_plain"] = ratio(z["zero3_plain_accelerate"], z["zero3_plain"])
     out["zero3_fast_vs_plain"] = ratio(z["zero3_fast"], z["zero3_plain"])
+    out["zero3_plain_omp1_vs_plain"] = ratio(z["zero3_plain_omp1"], z["zero3_plain"])
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
     return out
 
@@ -246,7 +256,9 @@ def main(argv=None) -> int:
         for i in items:
             cmd = (recipes_bench.command(i.recipe, res_dir / f"{i.label}.json") if i.recipe
                    else anchor_command(i, res_dir / f"{i.label}.json"))
-            print(f"[{i.group}] {i.label} (~{i.est_s:.0f} s): {i.row}\n    {shlex.join(cmd)}")
+            env = " ".join(f"{k}={v}" for k, v in (i.recipe.extra_env if i.recipe else {}).items())
+            print(f"[{i.group}] {i.label} (~{i.est_s:.0f} s): {i.row}\n    "
+                  f"{env + ' ' if env else ''}{shlex.join(cmd)}")
         print(f"{len(items)} runs, ~{sum(i.est_s for i in items):.0f} s estimated")
         return 0
     out = Path(args.out)
