@@ -15,7 +15,7 @@ import shutil
 import sys
 import time
 
-from . import cli_nodes, errors, options
+from . import cli_nodes, cli_torchrun, errors, options
 from .caller.logstream import LogStreamer, tail_text
 from .common import rundir
 from .common.records import Entry, RunState
@@ -30,13 +30,15 @@ def _add_run(sub) -> None:
                                    "setting has the same default as in the Python API.")
     options.add_cli_arguments(p)           # --gpus, --timeout, --hang-timeout, ... (LaunchOptions)
     cli_nodes.add_arguments(p)
-    p.add_argument("--standalone", action="store_true", help="accepted for torchrun compatibility")
+    cli_torchrun.add_arguments(p)          # torchrun's other flags, both spellings
+    p.add_argument("--standalone", action="store_true", help="one node, its own rendezvous "
+                   "(torchrun's flag; what gpulaunch does without --nnodes)")
     p.add_argument("--no-tracking", action="store_true",
                    help="no MLflow run for this launch (also: GPULAUNCH_TRACKING=0)")
     p.add_argument("--experiment", default=None, help="MLflow experiment name (default: gpulaunch)")
     p.add_argument("--run-name", default=None, help="MLflow run name (default: the script name)")
     p.add_argument("-m", "--module", action="store_true", help="run a module, as python -m")
-    p.add_argument("--no-python", action="store_true", help="run the program directly (torchrun's "
+    p.add_argument("--no-python", "--no_python", action="store_true", help="run the program directly (torchrun's "
                    "flag); same as putting it after --")
     p.add_argument("target", nargs=argparse.REMAINDER,
                    help="script.py [args] | -m module [args] | -- command [args]")
@@ -67,10 +69,11 @@ def cmd_run(args) -> int:
     from .caller.handle import RunHandle
     from .caller.pipeline import launch
     from .tracking import Tracking
-    placement = cli_nodes.placement(args)
     tracking = Tracking(enabled=False) if args.no_tracking else \
         Tracking(experiment=args.experiment, run_name=args.run_name)
     opts = options.from_cli(args, tracking=tracking)
+    opts = cli_torchrun.apply(args, opts)         # torchrun's flags, or why not
+    placement = cli_nodes.placement(args)
     entry = _entry_from(args)
     if opts.remote:
         opts, entry = cli_nodes.on_ray(args, opts, entry, placement)
@@ -78,6 +81,14 @@ def cmd_run(args) -> int:
     run = launch(opts, entry, label=os.path.basename(entry.argv[0]), stream=True,
                  placement=placement)
     handle = RunHandle(run, background=False)
+    try:
+        return _follow(handle)
+    finally:
+        cli_torchrun.write_log_dir(args, run)
+
+
+def _follow(handle) -> int:
+    """Print the ranks' output until the run ends; the exit code torchrun would give."""
     try:
         handle.follow()
     except KeyboardInterrupt:
@@ -298,7 +309,9 @@ def _version() -> str:
     return __version__
 
 
-def main(argv: list[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """The whole command line (every subcommand), without running anything: the docs' tests
+    check each documented ``gpulaunch ...`` line against it."""
     parser = argparse.ArgumentParser(prog="gpulaunch", description=__doc__.split("\n\n")[0])
     parser.add_argument("--version", action="version", version=f"gpulaunch {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -326,10 +339,19 @@ def main(argv: list[str] | None = None) -> int:
     pool_cli.add_parser(sub)
     from .planner import command as planner
     planner.add_parser(sub)
-    args = parser.parse_args(argv)
+    from .jobs import command as job_cli
+    job_cli.add_parser(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .backends.local import pool_cli
+    from .jobs import command as job_cli
+    from .planner import command as planner
+    args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
                 "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug,
-                "plan": planner.main}
+                "plan": planner.main, "job": job_cli.main}
     try:
         return handlers[args.command](args)
     except errors.UserError as e:

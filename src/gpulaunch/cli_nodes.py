@@ -25,16 +25,16 @@ def add_arguments(p) -> None:
                              "PyTorchJob they are read from the environment)")
     g.add_argument("--nnodes", default=None, help="number of nodes, each running this command "
                    "(default: 1, or what Slurm / the PyTorchJob environment says)")
-    g.add_argument("--node-rank", type=int, default=None, help="this node's index, 0..nnodes-1")
-    g.add_argument("--master-addr", default=None, help="node 0's address (the same everywhere)")
-    g.add_argument("--master-port", type=int, default=None, help="node 0's rendezvous port "
+    g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's index, 0..nnodes-1")
+    g.add_argument("--master-addr", "--master_addr", default=None, help="node 0's address (the same everywhere)")
+    g.add_argument("--master-port", "--master_port", type=int, default=None, help="node 0's rendezvous port "
                    "(default: 29500)")
-    g.add_argument("--rdzv-endpoint", default=None, help="HOST:PORT, instead of --master-addr "
+    g.add_argument("--rdzv-endpoint", "--rdzv_endpoint", default=None, help="HOST:PORT, instead of --master-addr "
                    "and --master-port")
-    g.add_argument("--rdzv-id", default=None, help="job id, the same on every node (Slurm: "
+    g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id, the same on every node (Slurm: "
                    "SLURM_JOB_ID)")
-    g.add_argument("--rdzv-backend", default=None, help="accepted for torchrun compatibility "
-                   "(gpulaunch always uses its own static rendezvous)")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, help="c10d or static (gpulaunch "
+                   "always runs its own static rendezvous on node 0); etcd is refused")
     g.add_argument("--listen-addr", default=None, help="address node 0's store listens on "
                    "(default: this host's address on the route to the master; 0.0.0.0 only "
                    "if you give it)")

@@ -81,6 +81,16 @@ def env(value) -> tuple[tuple[str, str], ...]:
     if pairs is None or not all(isinstance(k, str) and isinstance(v, str) for k, v in pairs):
         raise ConfigurationError("env must be a dict of str -> str (environment variables for "
                                  f"the ranks); got {value!r}.")
+    for k, v in pairs:
+        why = ("is empty" if not k else "contains '='" if "=" in k else
+               "contains a NUL byte" if "\0" in k else None)
+        if why:
+            raise ConfigurationError(f"env: the variable name {k!r} {why}, which no environment "
+                                     "can hold; give names like MY_VAR (env={'MY_VAR': 'value'})")
+        if "\0" in v:
+            raise ConfigurationError(f"env: the value of {k} contains a NUL byte, which no "
+                                     "environment can hold; remove it (or pass the data as an "
+                                     "argument of the function)")
     return pairs
 
 
@@ -147,7 +157,28 @@ def cli_seconds(text: str) -> float | None:
 
 
 def cli_count(text: str) -> int | None:
-    return None if text.strip().lower() in ("auto", "gpu", "all", "none") else int(text)
+    """``--gpus`` / ``--nproc-per-node``: a number, or torchrun's words: ``gpu`` (every GPU
+    here), ``cpu`` (one rank per CPU core), ``auto`` (every GPU, else one rank per core)."""
+    word = text.strip().lower()
+    if word in ("all", "none"):
+        return None
+    if word in ("gpu", "cpu", "auto"):
+        import os
+
+        from .hardware import host
+        gpus = len(host.detect().gpus) if word != "cpu" else 0
+        if word == "gpu" and not gpus:
+            raise ConfigurationError("--nproc-per-node gpu: this host has no GPU (give a number, "
+                                     "or cpu for one rank per CPU core)")
+        return None if gpus else os.cpu_count() or 1   # None: every GPU, resolved at launch
+    if word == "xpu":
+        raise ConfigurationError("--nproc-per-node xpu is not supported: gpulaunch runs on "
+                                 "NVIDIA GPUs or CPU workers")
+    try:
+        return int(word)
+    except ValueError:
+        raise ConfigurationError(f"--nproc-per-node {text!r}: give a number, gpu, cpu or "
+                                 "auto") from None
 
 
 def cli_env(items: list[str]) -> dict[str, str]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import inspect
+import os
 
 import pytest
 
@@ -57,7 +58,10 @@ def test_cli_flags_give_the_same_options_as_keywords():
               env={"A": "1", "B": "x=y"})
     # "none" is a value: it switches the limit off, as timeout=None does.
     assert _cli("--timeout", "none").timeout is None
-    assert _cli("--nproc-per-node", "auto").gpus is None
+    # torchrun's words: auto = every GPU (None: resolved at launch), else one rank per core
+    from gpulaunch.hardware import host
+    assert _cli("--nproc-per-node", "auto").gpus == (None if host.detect().gpus else
+                                                      (os.cpu_count() or 1))
 
 
 def test_with_overrides_can_set_any_setting_back_to_none():
@@ -100,8 +104,11 @@ def test_spec_gets_every_shared_setting_by_name():
         {f.name for f in dataclasses.fields(LaunchOptions)}
     for name in shared - {"env", "gpu_type"}:
         assert getattr(spec, name) == getattr(o, name), name
-    # settings that travel as rank variables join env=
-    assert dict(spec.env) == {"X": "1", "GPULAUNCH_HANG_TIMEOUT": "3.0"}
+    # one route: hang_timeout travels as a spec field only (the rank environment is built from
+    # the spec by backends/local/rank_env.py), env= holds the user's variables alone
+    assert dict(spec.env) == {"X": "1"} and spec.hang_timeout == 3.0
+    from gpulaunch.backends.local.rank_env import rank_env
+    assert rank_env({}, spec)["GPULAUNCH_HANG_TIMEOUT"] == "3.0"
     assert spec.gpu_type == GPUType.H200 and spec.device == "cuda"
 
 

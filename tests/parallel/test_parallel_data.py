@@ -17,6 +17,7 @@ if str(ROOT / "src") not in sys.path:
 from test_parallel import run_ranks  # noqa: E402
 
 from gpulaunch import parallel as gp  # noqa: E402
+from gpulaunch.errors import DataError  # noqa: E402
 
 
 def _files(tmp_path, n=10, lines=3):
@@ -63,7 +64,7 @@ def test_glob_and_url_inputs(tmp_path):
     assert len(ds.files) == 4 and list(ds)[:2] == ["f0-l0", "f0-l1"]
     ds = gp.ShardedFileDataset(f"file://{tmp_path}/part-*.txt", world_size=1, rank=0, shuffle=False)
     assert all(f.startswith("file://") for f in ds.files) and len(list(ds)) == 8
-    with pytest.raises(gp.ParallelError, match="no files"):
+    with pytest.raises(DataError, match="no files"):
         gp.ShardedFileDataset(str(tmp_path / "nothing-*.txt"))
 
 
@@ -98,7 +99,7 @@ def job_loaders(files, url_files):
     try:
         gp.distributed_loader(gp.ShardedFileDataset(files), batch_size=2, num_workers=1 + rank)
         out["mismatch"] = None
-    except gp.ParallelError as e:
+    except DataError as e:
         out["mismatch"] = str(e)
     return out
 

@@ -7,6 +7,7 @@ in as arguments.
 
 from __future__ import annotations
 
+import json
 import linecache
 import os
 import pickle
@@ -92,13 +93,30 @@ def rank_error(run: RunDir, attempt: int, rank: int) -> RankError | None:
     return _load_error(run.rank_file(attempt, rank, "error.pkl"))
 
 
+def elastic_error(path: Path) -> str | None:
+    """The failure a program left in its torchelastic error file (``@record`` writes it to
+    TORCHELASTIC_ERROR_FILE): read when a rank has no error.pkl (a command run with
+    --no-python, whose Python gpulaunch does not wrap)."""
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    message = data.get("message") if isinstance(data, dict) else None
+    if isinstance(message, dict):
+        stack = (message.get("extraInfo") or {}).get("py_callstack") or ""
+        message = f"{message.get('message') or ''}\n{stack}".strip()
+    return f"torchelastic error file {path}:\n{message}" if message else None
+
+
 def rank_failures(run: RunDir, attempt: int, exits: dict[int, RankExit]) -> tuple:
     out = []
     for rank, ex in sorted(exits.items()):
         info = run.rank_info(attempt, rank)
-        out.append(RankFailure(rank, ex.exitcode,
-                               _load_error(run.rank_file(attempt, rank, "error.pkl")),
-                               info.host if info else "?", rank_log(run, attempt, rank)))
+        error = _load_error(run.rank_file(attempt, rank, "error.pkl"))
+        log = rank_log(run, attempt, rank)
+        elastic = None if error else elastic_error(run.rank_file(attempt, rank, "error.json"))
+        out.append(RankFailure(rank, ex.exitcode, error, info.host if info else "?",
+                               f"{log}\n{elastic}".strip() if elastic else log))
     return tuple(out)
 
 

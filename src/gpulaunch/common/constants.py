@@ -44,3 +44,8 @@ STARTUP_ENV_NAMES = ("LANG", "LANGUAGE", "TMPDIR")
 
 # The pipe a forked rank waits on until the agent has forked every rank (elastic_compat).
 FORK_GATE_ENV = "GPULAUNCH_FORK_GATE"
+
+# A rank's stdout and stderr share one ordered log file; each line written through the rank's
+# sys.stderr starts with this byte (ASCII record separator: invisible), so the caller can print
+# it on its own stderr, as torchrun does (rank.torchrun_env writes it, caller.logstream reads it).
+STDERR_MARK = b"\x1e"

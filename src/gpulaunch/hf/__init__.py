@@ -1,0 +1,15 @@
+"""Hugging Face helpers: a fused LoRA forward for peft models (``fuse_lora``) and the trainer
+settings that make an HF/TRL fine-tune fast on the host it runs on (``speed_settings``).
+Importing this package imports neither torch nor transformers."""
+
+__all__ = ["fuse_lora", "unfuse_lora", "speed_settings"]
+
+
+def __getattr__(name):
+    if name in ("fuse_lora", "unfuse_lora"):
+        from . import fused_lora
+        return getattr(fused_lora, name)
+    if name == "speed_settings":
+        from .speed import speed_settings
+        return speed_settings
+    raise AttributeError(name)
