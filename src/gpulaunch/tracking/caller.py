@@ -241,7 +241,7 @@ class CallTracker:
         s = self.spec
         gpu = getattr(s.gpu_type, "name", None) if s.gpu_type else None
         values = {"world_size": s.world_size, "nproc_per_node": s.nproc_per_node,
-                  "nnodes": s.nnodes, "device": s.device, "backend": s.backend,
+                  "nnodes": s.nnodes, "device": s.device, "backend": s.process_group_backend,
                   "gpu_type": gpu or ("cpu" if s.device == "cpu" else "unknown"),
                   "function": self.label, "entry": self.entry.kind,
                   "timeout": s.timeout, "max_restarts": s.max_restarts, "remote": s.remote,
