@@ -12,7 +12,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from gpulaunch import parallel as gp
 from gpulaunch.parallel.reference_model import Llama, LlamaConfig
 
-pytestmark = pytest.mark.unit
 CFG = LlamaConfig(vocab_size=64, dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=256, max_seq_len=64)
 
 
