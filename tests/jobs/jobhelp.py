@@ -22,7 +22,8 @@ SCRIPT = textwrap.dedent("""
     print(f"rank {r} sum {t.item()}", flush=True)
     wait = os.environ.get("WAIT_FILE")
     if wait:
-        open(f"{wait}.rank{r}", "w").close()
+        with open(f"{wait}.rank{r}", "w") as f:
+            f.write(str(os.getpid()))
         while not os.path.exists(wait):
             time.sleep(0.1)
     if os.environ.get("FAIL_RANK") == str(r):

@@ -72,6 +72,9 @@ class Supervisor:
             return self._end(runs, JobState.FAILED, cause)
         except InterruptedError:
             return self._end(runs, JobState.CANCELLED, "cancelled while preparing")
+        except Exception as e:  # noqa: BLE001 - the target unreachable: the job's cause
+            return self._end(runs, JobState.FAILED, f"{spec.compute.where}: "
+                             f"{type(e).__name__}: {e}")
         attempts = spec.retry.max_retries + 1
         for n in range(1, attempts + 1):
             if self.cancelled():
@@ -104,7 +107,6 @@ class Supervisor:
         except Exception as e:  # noqa: BLE001 - sbatch refused, Ray unreachable: a cause
             return {"state": "FAILED", "cause": f"could not start: {type(e).__name__}: {e}",
                     "ended": time.time()}
-        self.job.update(state=JobState.RUNNING.value)
         while True:
             rec = target.poll(handle)
             if rec is not None:

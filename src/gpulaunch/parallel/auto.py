@@ -55,26 +55,14 @@ def choose(model: nn.Module, device, mixed_precision, device_memory: int, **plan
 
 def _by_memory(model, device, mixed_precision, world, have, **planner_kwargs) -> tuple[str, str, bool]:
     """(strategy, reason, whether it fits only with CPU offload)."""
+    from gpulaunch.planner import choose_strategy  # ours: a failure here is a bug to see
+
     from .settings import normalize_strategy
-    try:
-        from gpulaunch.planner import choose_strategy  # type: ignore
-    except ImportError:
-        choose_strategy = None
-    if choose_strategy is not None:
-        # ranks per node: the launcher's LOCAL_WORLD_SIZE, else (a group built by hand) one node
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
-        precision = {None: "fp32", "no": "fp32", "fp32": "fp32"}.get(mixed_precision, mixed_precision)
-        offered = dict(gpus_per_node=local, nodes=max(1, world // max(1, local)),
-                       gpu_memory_bytes=have, precision=precision, **planner_kwargs)
-        strategy, reason = choose_strategy(model, **offered)
-        base, _, offload = strategy.partition("+")   # "+offload": prepare(cpu_offload=True) is the user's call
-        return normalize_strategy(base), f"planner: {reason}", bool(offload)
-    need = estimate_training_bytes(model, mixed_precision)
-    budget = int(0.6 * have)  # leave ~40% for activations, buffers, fragmentation
-    gib = 2 ** 30
-    if need <= budget:
-        return "ddp", (f"params+grads+Adam states need {need / gib:.2f} GiB, within 60% of the "
-                       f"{have / gib:.1f} GiB on {device}: replicate with DDP (fastest when it fits)"), False
-    return "fsdp", (f"params+grads+Adam states need {need / gib:.2f} GiB, over 60% of the "
-                    f"{have / gib:.1f} GiB on {device}: shard with FSDP2 "
-                    f"(~{need / max(1, world) / gib:.2f} GiB per rank)"), False
+    # ranks per node: the launcher's LOCAL_WORLD_SIZE, else (a group built by hand) one node
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    precision = {None: "fp32", "no": "fp32", "fp32": "fp32"}.get(mixed_precision, mixed_precision)
+    offered = dict(gpus_per_node=local, nodes=max(1, world // max(1, local)),
+                   gpu_memory_bytes=have, precision=precision, **planner_kwargs)
+    strategy, reason = choose_strategy(model, **offered)
+    base, _, offload = strategy.partition("+")   # "+offload": prepare(cpu_offload=True) is the user's call
+    return normalize_strategy(base), f"planner: {reason}", bool(offload)

@@ -52,6 +52,7 @@ class LocalTarget:
         finally:
             os.close(fd)
         self.job.update_attempt(n, pid=proc.pid)
+        self.job.update(state="RUNNING")
         return proc
 
     def poll(self, proc) -> dict | None:
