@@ -14,8 +14,9 @@ A row's kind is ``base[+flag...]``:
     anchor, anchor+compile   ``.device-carry/anchors/hf_llama_loop.py``'s own ``run()``: HF
                    ``LlamaForCausalLM``, bf16 weights, SDPA, fused AdamW; eager / compiled
 
-Our rows read their batches through ``distributed_loader(device=...)`` (pinned host memory,
-non-blocking copies) and time every step from the batch fetch to ``cuda.synchronize()``;
+Our rows read their batches from host memory through ``distributed_loader(device=...)``, or
+with ``--data-source parquet`` from a Parquet file through ``gpulaunch.data.StreamingLoader``
+(``bench/_data_source.py``; both: pinned host memory, non-blocking copies) and time every step from the batch fetch to ``cuda.synchronize()``;
 ``data_wait`` is the fetch, ``host`` the time until the host had queued the whole step: a step
 whose host time is well under its step time is GPU-bound.
 """
@@ -133,8 +134,6 @@ def run_ours(model_name: str, kind: str, args) -> dict:
     import torch
     import torch.distributed as dist
 
-    from gpulaunch.parallel import distributed_loader
-
     base, flags = parse_kind(kind)
     if base.startswith("zero"):
         try:
@@ -159,10 +158,11 @@ def run_ours(model_name: str, kind: str, args) -> dict:
             return {"skipped": str(e)}
         raise
     n = args.warmup + args.steps
-    rows = [(x[i], y[i]) for x, y in batches(cfg, n, bs, seq, "cpu") for i in range(bs)]
-    loader = distributed_loader(rows, batch_size=bs, shuffle=False, device=device)
+    from _data_source import loader as data_loader  # bench/_data_source.py
+
+    it, pinned = data_loader(getattr(args, "data_source", "memory"),
+                             batches(cfg, n, bs, seq, "cpu"), bs, device)
     times, waits, hosts, losses = [], [], [], []
-    it = iter(loader)
     for i in range(n):
         sync()
         t0 = time.perf_counter()
@@ -179,7 +179,8 @@ def run_ours(model_name: str, kind: str, args) -> dict:
         losses.append(float(loss.detach().float()))
     res = _summary(cfg, bs, seq, times, cuda, args)
     res.update(data_wait_ms=statistics.median(waits) * 1e3, data_wait_max_ms=max(waits) * 1e3,
-               host_ms=statistics.median(hosts) * 1e3, pinned=loader.pin_memory,
+               host_ms=statistics.median(hosts) * 1e3, pinned=pinned,
+               data_source=getattr(args, "data_source", "memory"),
                setup_and_steps_s=time.perf_counter() - t_setup, losses=losses, **step.notes)
     dist.destroy_process_group()
     return res

@@ -171,6 +171,9 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=210, help="skip the rows left after this")
     ap.add_argument("--timeout", type=float, default=150, help="seconds per row")
     ap.add_argument("--smoke", action="store_true", help="CPU, tiny model, 2 timed steps")
+    ap.add_argument("--data-source", default="memory", choices=("memory", "parquet"),
+                    help="our rows' batches: host memory, or a Parquet file through "
+                         "gpulaunch.data.StreamingLoader (bench/_data_source.py)")
     ap.add_argument("--one", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.smoke:
@@ -209,6 +212,7 @@ def main() -> None:
                     cmd += [flag, str(v)]
             if args.smoke:
                 cmd.append("--smoke")
+            cmd += ["--data-source", args.data_source]
             t = time.perf_counter()
             try:
                 proc = run_group(cmd, env=env, timeout=min(args.timeout, max(left, 15)))

@@ -52,7 +52,7 @@ def train(opts: options.RecipeOptions) -> dict:
     import time
     entry = time.time()
 
-    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft, speed
     from trl import SFTTrainer
 
     technique = opts.extra.get("technique", sft.ZERO3)
@@ -65,6 +65,12 @@ def train(opts: options.RecipeOptions) -> dict:
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
     train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
+    model_config = speed.model_config(opts, tokenizer)
+    # the fast settings for this host and model, a tuned ZeRO-3 dict among them (--speed off:
+    # the seed's plain settings and its ZeRO-3 dict)
+    fast = speed.settings(opts, device, technique=technique, config=model_config, lora=False,
+                          world_size=rt.get_world_size())
+    opts, speed_args, model_kwargs = speed.apply(opts, fast)
 
     # Real weights: SFTConfig first, so that from_pretrained loads them already partitioned
     # (deepspeed.zero.Init) and no rank ever holds the whole model. A random model is built
@@ -74,12 +80,14 @@ def train(opts: options.RecipeOptions) -> dict:
     def build_model():
         return architectures.load_model(
             arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
-            dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+            dtype=sft.torch_dtype(prec), seed=opts.seed,
+            attn_implementation=opts.attn or model_kwargs.get("attn_implementation"),
             layers=opts.layers, init_device=device)
 
     def build_config():
         return sft.sft_config(opts, technique=technique, output_dir=out_dir, device=device,
                               prec=prec, decoder_layer=arch.decoder_layer,
+                              speed_overrides=speed_args, model_config=model_config,
                               assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
 
     if opts.model is not None:
@@ -104,9 +112,20 @@ def train(opts: options.RecipeOptions) -> dict:
     rt.barrier()
     return sft.stamp_exit({
         **result, "technique": in_effect, "wrapper": wrapper, "export_check": export,
+        "speed": speed.summary(fast),
+        # the ZeRO settings DeepSpeed ran with, "auto" values filled in by the HF Trainer
+        "deepspeed_zero": _zero_in_effect(trainer),
         "world_size": rt.get_world_size(), "precision": prec,
         "parameters": sum(getattr(p, "ds_numel", p.numel()) for _, p in named),
         "output": opts.output_path() if opts.save else None})
+
+
+def _zero_in_effect(trainer) -> dict | None:
+    plugin = getattr(trainer.accelerator.state, "deepspeed_plugin", None)
+    if plugin is None:
+        return None
+    zero = dict(plugin.deepspeed_config.get("zero_optimization", {}))
+    return {k: v for k, v in zero.items() if not isinstance(v, dict)}
 
 
 def check_export(named, out_dir: str, *, zero3: bool) -> dict | None:

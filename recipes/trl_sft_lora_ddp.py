@@ -59,7 +59,7 @@ def train(opts: options.RecipeOptions) -> dict:
     entry = time.time()
     from pathlib import Path
 
-    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft, speed
     from peft import LoraConfig
     from trl import SFTTrainer
 
@@ -69,16 +69,21 @@ def train(opts: options.RecipeOptions) -> dict:
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
     train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
+    # the fast settings for this host and model (--speed off: the seed's plain ones)
+    fast = speed.settings(opts, device, technique=sft.DDP, config=speed.model_config(opts, tokenizer),
+                          lora=True, world_size=rt.get_world_size())
+    opts, speed_args, model_kwargs = speed.apply(opts, fast)
 
     config = sft.sft_config(
         opts, technique=sft.DDP, output_dir=out_dir, device=device, prec=prec,
-        decoder_layer=arch.decoder_layer,
+        decoder_layer=arch.decoder_layer, speed_overrides=speed_args,
         assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""),
         lr_scheduler_kwargs={"min_lr_rate": 0.1} if opts.scheduler == "cosine_with_min_lr" else None)
     # DDP: each rank holds the whole model on its own GPU (the seed's device_map={"": local_rank})
     model = architectures.load_model(
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
-        dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+        dtype=sft.torch_dtype(prec), seed=opts.seed,
+        attn_implementation=opts.attn or model_kwargs.get("attn_implementation"),
         layers=opts.layers,
         device_map={"": device} if device.type == "cuda" else None, init_device=device)
     if opts.save and opts.model is None and rt.is_main():     # a random base must travel with its adapter
@@ -89,6 +94,7 @@ def train(opts: options.RecipeOptions) -> dict:
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, peft_config=lora)
     technique = sft.require(trainer, sft.DDP)
+    fused = speed.fuse(trainer, fast)               # before train(): DDP wraps it there
     result = sft.train_and_measure(trainer, device, opts, entry=entry)
     if opts.save:
         trainer.save_model(out_dir)                 # rank 0 writes adapter + tokenizer
@@ -96,6 +102,7 @@ def train(opts: options.RecipeOptions) -> dict:
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     return sft.stamp_exit({**result, "technique": technique,
+            "speed": speed.summary(fast), "fused_lora": fused,
             "world_size": rt.get_world_size(), "precision": prec,
             "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

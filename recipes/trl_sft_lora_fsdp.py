@@ -89,7 +89,7 @@ def train(opts: options.RecipeOptions) -> dict:
     entry = time.time()
     from pathlib import Path
 
-    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft, speed
     from peft import LoraConfig
     from trl import SFTTrainer
 
@@ -99,12 +99,18 @@ def train(opts: options.RecipeOptions) -> dict:
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
     train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
+    # the fast settings for this host and model (--speed off: the seed's plain ones)
+    fast = speed.settings(opts, device, technique=sft.FSDP2 if device.type == "cuda" else sft.DDP, config=speed.model_config(opts, tokenizer),
+                          lora=True, world_size=rt.get_world_size())
+    opts, speed_args, model_kwargs = speed.apply(opts, fast)
     config = sft.sft_config(opts, technique=sft.FSDP2, output_dir=out_dir, device=device,
                             prec=prec, decoder_layer=arch.decoder_layer,
+                            speed_overrides=speed_args,
                             assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
     model = architectures.load_model(   # no device_map for real weights: FSDP places the shards
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
-        dtype=sft.torch_dtype(prec), seed=opts.seed, attn_implementation=opts.attn,
+        dtype=sft.torch_dtype(prec), seed=opts.seed,
+        attn_implementation=opts.attn or model_kwargs.get("attn_implementation"),
         layers=opts.layers,
         init_device=device)
     if opts.save and opts.model is None and rt.is_main():
@@ -126,6 +132,7 @@ def train(opts: options.RecipeOptions) -> dict:
             raise
         technique = sft.technique_in_effect(trainer)
         rt.print0(f"NOT FSDP: {e} Continuing as {technique} because -x on_cpu=ddp.")
+    fused = speed.fuse(trainer, fast)               # before train(): FSDP2 wraps it there
     result = sft.train_and_measure(trainer, device, opts, entry=entry)
     wrapper = result["wrapper"]
     if technique == "fsdp2" and wrapper != "fsdp2":
@@ -136,6 +143,7 @@ def train(opts: options.RecipeOptions) -> dict:
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     return sft.stamp_exit({**result, "technique": technique, "wrapper": wrapper,
+            "speed": speed.summary(fast), "fused_lora": fused,
             "fsdp_enabled": bool(trainer.is_fsdp_enabled), "world_size": rt.get_world_size(),
             "precision": prec, "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

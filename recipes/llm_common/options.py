@@ -48,8 +48,10 @@ class RecipeOptions:
     report_to: str = "auto"           # auto: mlflow when installed and MLFLOW_TRACKING_URI is set
     results: str | None = None        # write the rank-0 result dict as JSON here
     timeout: float = 3 * 3600.0
+    speed: str = "auto"               # auto: llm_common.speed's fast settings; off: the seed's plain ones
     extra: dict = field(default_factory=dict)  # recipe-specific settings, -x key=value
     started_at: float = 0.0           # when this process started (set by parse; not a flag)
+    given: tuple = ()                 # the flags set on the command line (set by parse; not a flag)
 
     @property
     def tiny(self) -> bool:
@@ -109,7 +111,7 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
         argv = [] if _in_notebook() else sys.argv[1:]
     parser = argparse.ArgumentParser(description=description or defaults.recipe)
     for f in dataclasses.fields(RecipeOptions):
-        if f.name in ("recipe", "extra", "started_at"):
+        if f.name in ("recipe", "extra", "started_at", "given"):
             continue
         flag = "--" + f.name.replace("_", "-")
         current = getattr(defaults, f.name)
@@ -126,6 +128,7 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
     given = {k: v for k, v in vars(ns).items() if v is not None and k != "extra"}
     opts = dataclasses.replace(defaults, **given)
     opts.started_at = _process_start()
+    opts.given = tuple(sorted(given))
     if opts.data == "shipped":      # said explicitly: the shipped rows (what no --data means)
         opts.data = None
     user_extra = _parse_extra(ns.extra)

@@ -51,11 +51,17 @@ def torch_dtype(prec: str):
     return torch.bfloat16 if prec == "bf16" else torch.float32
 
 
-def deepspeed_zero3(*, bf16: bool) -> dict:
+def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
+                    block_numel: int | None = None, hidden_size: int | None = None) -> dict:
     """The seed notebook's ZeRO-3 dict (T/sgc-sft-trl-deepspeed-llama-1b), generated on each rank.
     ``stage3_gather_16bit_weights_on_model_save`` is what makes ``save_model`` write the full
-    tensors; without it the saved safetensors hold ZeRO-3's empty placeholders."""
-    return {
+    tensors; without it the saved safetensors hold ZeRO-3's empty placeholders.
+
+    ``tuned`` (``--speed auto``): the bucket, prefetch and persistence keys from
+    ``gpulaunch.parallel.zero.zero_speed_settings`` instead of the seed's ``"auto"`` (which HF
+    fills from hidden_size: buckets too small to prefetch one MLP weight) and its persistence
+    threshold 0 (every norm weight partitioned and gathered twice a step)."""
+    seed = {
         "fp16": {"enabled": False},
         "bf16": {"enabled": bf16},
         "zero_optimization": {
@@ -77,6 +83,12 @@ def deepspeed_zero3(*, bf16: bool) -> dict:
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
     }
+    if tuned:
+        from gpulaunch.parallel.zero import zero_speed_settings
+        seed["zero_optimization"].update(
+            zero_speed_settings(3, on_gpu=on_gpu, block_numel=block_numel,
+                                hidden_size=hidden_size))
+    return seed
 
 
 def fsdp2(decoder_layer: str, *, activation_checkpointing: bool) -> tuple[str, dict]:
@@ -91,9 +103,28 @@ def fsdp2(decoder_layer: str, *, activation_checkpointing: bool) -> tuple[str, d
     }
 
 
+def decoder_block_numel(config) -> int | None:
+    """Parameters of one decoder layer (dense Llama-style), from an HF config: what ZeRO-3
+    should prefetch at once. None for MoE or unknown shapes (DeepSpeed's default then)."""
+    c = config.to_dict() if hasattr(config, "to_dict") else dict(config)
+    if c.get("num_local_experts") or c.get("num_experts"):
+        return None
+    try:
+        h, heads = c["hidden_size"], c["num_attention_heads"]
+        hd = c.get("head_dim") or h // heads
+        kv = c.get("num_key_value_heads") or heads
+        inter = c["intermediate_size"]
+    except KeyError:
+        return None
+    return h * hd * (2 * heads + 2 * kv) + 3 * h * inter + 2 * h
+
+
 def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, decoder_layer: str,
-               assistant_only_loss: bool, **overrides):
-    """One SFTConfig for every recipe; ``technique`` adds the seed's DeepSpeed/FSDP settings."""
+               assistant_only_loss: bool, speed_overrides: dict | None = None,
+               model_config=None, **overrides):
+    """One SFTConfig for every recipe; ``technique`` adds the seed's DeepSpeed/FSDP settings.
+    ``speed_overrides`` (llm_common.speed.apply, None with --speed off): the fast settings, and
+    a tuned ZeRO-3 dict (``model_config`` gives its prefetch size)."""
     from trl import SFTConfig
 
     kw = dict(
@@ -130,8 +161,13 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
         # TRL's best-fit-decreasing packing: rows fill seq_len bins, batches are padding-free
         # (one flattened row; attention stays inside each original row, see long_chat)
         kw.update(packing=True, packing_strategy="bfd")
+    tuned = speed_overrides is not None
+    kw.update(speed_overrides or {})
     if technique == ZERO3:
-        kw["deepspeed"] = deepspeed_zero3(bf16=prec == "bf16")
+        kw["deepspeed"] = deepspeed_zero3(
+            bf16=prec == "bf16", tuned=tuned, on_gpu=device.type == "cuda",
+            block_numel=decoder_block_numel(model_config) if model_config is not None else None,
+            hidden_size=getattr(model_config, "hidden_size", None))
     elif technique == FSDP2:
         kw["fsdp"], kw["fsdp_config"] = fsdp2(
             decoder_layer, activation_checkpointing=opts.gradient_checkpointing)

@@ -17,10 +17,15 @@ names are here under the same names.
 """
 
 from . import compute, runtime
-from .api import DistributedFunction, RunHandle, distributed
-from .backends.local.pool import shutdown  # releases the warm pool (keep_alive=)
-from .backends.ray.cluster import RayCluster, ray_init  # imports no ray until used
-from .backends.ray.ray_launch import ray_launch
+from .api import (
+    DistributedFunction,
+    RayCluster,
+    RunHandle,
+    distributed,
+    ray_init,
+    ray_launch,
+    shutdown,
+)
 from .compute import AcceleratorType, GPUType
 from .errors import (
                      ArgumentError,
@@ -38,6 +43,7 @@ from .errors import (
                      RuntimeConfigurationError,
                      RunTimeoutError,
                      SerializationError,
+                     StateDroppedError,
                      UserError,
                      WorkerCrashError,
 )
@@ -51,5 +57,6 @@ __all__ = [
     "GpulaunchError", "UserError", "ConfigurationError", "RuntimeConfigurationError",
     "GPUValidationError", "GPUTypeError", "ArgumentError", "SerializationError", "RunError",
     "WorkerCrashError", "RemoteError", "RunTimeoutError", "LocalExecutionTimeoutError",
-    "HangError", "RunCancelledError", "LaunchError", "NodeLostError", "shutdown",
+    "HangError", "RunCancelledError", "LaunchError", "NodeLostError", "StateDroppedError",
+    "shutdown",
 ]

@@ -1,4 +1,7 @@
-"""The decorator users touch: ``@distributed(...)`` and ``DistributedFunction``.
+"""The public API, in one place: every name ``import gpulaunch`` offers is defined or
+re-exported here (``__all__``), the rest of the package is internals.
+
+The decorator users touch: ``@distributed(...)`` and ``DistributedFunction``.
 
     @distributed(gpus=8, gpu_type="H100")
     def train(lr): ...
@@ -15,11 +18,13 @@ import functools
 import inspect
 
 from . import options as _options
+from .backends.ray.cluster import RayCluster, ray_init  # imports no ray until used
 from .caller.handle import RunHandle
 from .common.records import Entry
 from .errors import ArgumentError, ConfigurationError
 
-__all__ = ["distributed", "DistributedFunction", "RunHandle"]
+__all__ = ["distributed", "DistributedFunction", "RunHandle", "ray_launch", "RayLaunchFunction",
+           "ray_init", "RayCluster", "shutdown"]
 
 
 class DistributedFunction:
@@ -136,3 +141,42 @@ Also usable bare, as ``@distributed``. Positionally, as the seed product:
 
 """ + "\n".join(f"    {name} (default {default!r}): {doc}"
                 for name, default, doc in _options.describe())
+
+
+class RayLaunchFunction(DistributedFunction):
+    """``@ray_launch``: like ``DistributedFunction``, run once as a Ray program."""
+
+    _backend = "ray_program"
+    _kind = "@ray_launch"
+
+    def _launch(self, args, kwargs, *, stream: bool):
+        opts = self.options
+        if not opts.remote:
+            # Not remote: a private Ray instance on this host holds the allocation, sized to
+            # this host's GPUs (or 2 CPU slots without one).
+            from .hardware.host import detect
+            host = detect()
+            gpus = opts.gpus or (len(host.gpus) if host.has_gpu else 2)
+            opts = opts.replace(gpus=gpus, cluster="local")
+        saved, self.options = self.options, opts
+        try:
+            return super()._launch(args, kwargs, stream=stream)
+        finally:
+            self.options = saved
+
+
+ray_launch = decorator(RayLaunchFunction)
+ray_launch.__name__ = "ray_launch"
+ray_launch.__doc__ = """Run a function once as a Ray program on ``gpus`` GPUs of a Ray cluster
+(see ``gpulaunch.backends.ray.ray_launch``). Same settings as ``@distributed`` (the
+``num_accelerators``/``accelerator_type`` spellings included); with ``remote=False`` and no
+``cluster``, a private Ray instance on this host holds the allocation."""
+
+
+def shutdown() -> None:
+    """Release everything this process keeps between calls: the warm pool's ranks (and the
+    GPUs they hold, ``keep_alive=``) and the standby agent."""
+    from .backends.local.pool_registry import POOLS
+    from .backends.local.standby import STANDBY
+    POOLS.close("gpulaunch.shutdown()")
+    STANDBY.close()

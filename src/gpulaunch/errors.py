@@ -42,6 +42,25 @@ class ArgumentError(UserError, TypeError):
     """The arguments do not match the function's signature."""
 
 
+class StateDroppedError(GpulaunchError, KeyError):
+    """``rt.state[key]`` read in a warm pool whose ranks restarted cold since the call that set
+    it: the key was there, the process that held it is gone. Says why and what to re-run."""
+
+    def __init__(self, key, why: str = "", loaded_by: str = ""):
+        self.key, self.why, self.loaded_by = key, why, loaded_by
+        again = f"re-run {loaded_by}" if loaded_by else "re-run the call that loads it"
+        super().__init__(
+            f"rt.state[{key!r}] is gone: the warm pool restarted cold"
+            f"{f' ({why})' if why else ''} and the new ranks start with an empty rt.state. "
+            f"Fix: {again} before this one.")
+
+    def __str__(self) -> str:                     # KeyError would show the repr of the message
+        return str(self.args[0])
+
+    def __reduce__(self):                         # travels from the rank to the caller
+        return (type(self), (self.key, self.why, self.loaded_by))
+
+
 class SerializationError(UserError, TypeError):
     """The function, an argument or a return value cannot be pickled (or is too large)."""
 

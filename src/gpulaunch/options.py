@@ -80,7 +80,7 @@ class LaunchOptions:
     hang_timeout: float | None = setting(
         None, "seconds a rank may stay on the same line before the run is declared hung and "
         "every rank's stack reported (HangError). Off by default.",
-        check=checks.seconds("hang_timeout"), rank_env="GPULAUNCH_HANG_TIMEOUT",
+        check=checks.seconds("hang_timeout"),
         cli=Cli(("--hang-timeout",), checks.cli_seconds, {"metavar": "S"}))
     max_restarts: int = setting(
         0, "restart the whole group this many times after a failure.", check=checks.restarts,
@@ -127,7 +127,7 @@ class LaunchOptions:
     panel: bool | None = setting(None, "the live run panel in Jupyter: None (on in a kernel "
         "with ipywidgets; GPULAUNCH_PANEL=0: off), True or False.", check=checks.flag("panel", True))
     debug: bool = setting(False, "on a rank's error, serve pdb there on loopback (`gpulaunch "
-        "debug RUN --rank N` attaches).", check=checks.flag("debug"), rank_env="GPULAUNCH_DEBUG")
+        "debug RUN --rank N` attaches).", check=checks.flag("debug"))
 
     def __post_init__(self):
         for f in dataclasses.fields(self):

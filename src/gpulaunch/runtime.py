@@ -19,17 +19,16 @@ import socket
 
 from .common.constants import PG_TIMEOUT_S as DEFAULT_PG_TIMEOUT_S
 from .errors import ConfigurationError
+from .rank.state import RANK_STATE, RankState
 from .rank.watchdog import heartbeat
 
 __all__ = ["get_global_rank", "get_local_rank", "get_world_size", "get_local_world_size",
            "get_node_rank", "get_replica_rank", "get_restart_count", "get_run_dir", "is_main",
            "print0", "device", "init", "barrier", "shutdown", "heartbeat", "state"]
 
-# Per-rank state that persists across the calls of one warm pool (keep_alive=): a module
-# global of the rank process, which a pool keeps alive between calls (rank.pool_worker). In a
-# cold call it starts empty and ends with the rank. Load a model once, train, evaluate:
-#     if "model" not in rt.state: rt.state["model"] = build()
-state: dict = {}
+# Per-rank state that persists across the calls of one warm pool (keep_alive=): see
+# rank/state.py (the pool's rank process holds the same object).
+state: RankState = RANK_STATE
 
 
 def _env_int(name: str, default: int) -> int:

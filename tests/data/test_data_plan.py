@@ -10,6 +10,8 @@ import pytest
 
 from gpulaunch.data.plan import Assignment, EpochOrder, count, merge
 
+pytestmark = pytest.mark.unit
+
 
 def test_order_is_a_permutation_and_deterministic():
     lens = [5, 7, 1, 30, 12, 9]

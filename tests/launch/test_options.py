@@ -104,8 +104,11 @@ def test_spec_gets_every_shared_setting_by_name():
         {f.name for f in dataclasses.fields(LaunchOptions)}
     for name in shared - {"env", "gpu_type"}:
         assert getattr(spec, name) == getattr(o, name), name
-    # settings that travel as rank variables join env=
-    assert dict(spec.env) == {"X": "1", "GPULAUNCH_HANG_TIMEOUT": "3.0"}
+    # one route: hang_timeout travels as a spec field only (the rank environment is built from
+    # the spec by backends/local/rank_env.py), env= holds the user's variables alone
+    assert dict(spec.env) == {"X": "1"} and spec.hang_timeout == 3.0
+    from gpulaunch.backends.local.rank_env import rank_env
+    assert rank_env({}, spec)["GPULAUNCH_HANG_TIMEOUT"] == "3.0"
     assert spec.gpu_type == GPUType.H200 and spec.device == "cuda"
 
 

@@ -292,5 +292,4 @@ def test_keep_alive_values_and_refusals():
     for bad in ("yes", -1, 0, float("inf")):
         with pytest.raises(gpulaunch.ConfigurationError, match="keep_alive"):
             LaunchOptions(keep_alive=bad)
-    with pytest.raises(gpulaunch.ConfigurationError, match="max_restarts"):
-        use.with_overrides(max_restarts=1).distributed()
+    # keep_alive with max_restarts restarts on new ranks: tests/pool/test_warm_like_cold.py

@@ -15,6 +15,7 @@ mlflow = pytest.importorskip("mlflow")
 
 from mlflow.tracking import MlflowClient  # noqa: E402
 
+import gpulaunch.tracking  # noqa: E402
 from gpulaunch import cli, distributed  # noqa: E402
 from gpulaunch import runtime as rt  # noqa: E402
 from gpulaunch.common.rundir import RunDir  # noqa: E402
@@ -42,10 +43,23 @@ def tracked(monkeypatch, store):
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     tracking_caller._warned.clear()
-    return MlflowClient(store)
+    return FlushingClient(store)
+
+
+class FlushingClient:
+    """An MlflowClient that first waits for the runs' ends, which gpulaunch finishes in a
+    background thread after the call returned (``gpulaunch.tracking.flush``)."""
+
+    def __init__(self, uri: str):
+        self._client = MlflowClient(uri)
+
+    def __getattr__(self, name):
+        assert gpulaunch.tracking.flush(timeout=120), "a run's end is still pending"
+        return getattr(self._client, name)
 
 
 def _tracking_json(run_dir) -> dict:
+    gpulaunch.tracking.flush(timeout=120)
     with open(os.path.join(run_dir, "tracking.json")) as f:
         return json.load(f)
 
@@ -93,14 +107,14 @@ def test_two_rank_run_is_one_mlflow_run(monkeypatch, tracked, gpulaunch_home, ca
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME")
     monkeypatch.delenv("GPULAUNCH_QUIET")
     results = distributed(gpus=2)(_log_loss).distributed(10)
-    out = capsys.readouterr().out
+    out, err = capsys.readouterr()
     assert results == [0, 1]                      # nothing injected into the results
 
     run_dir = latest_run_dir(gpulaunch_home)
     info = _tracking_json(run_dir)
     uri = f"sqlite:///{(gpulaunch_home / 'mlflow.db').resolve()}"
     assert info["tracking_uri"] == uri and info["status"] == "FINISHED"
-    client = MlflowClient(uri)
+    client = FlushingClient(uri)
     runs = _runs_in(client, "gpulaunch")
     assert [r.info.run_id for r in runs] == [info["run_id"]]
     run = runs[0]
@@ -130,8 +144,9 @@ def test_two_rank_run_is_one_mlflow_run(monkeypatch, tracked, gpulaunch_home, ca
     assert json.loads((run_dir / "tracking.json").read_text())["run_id"] == run.info.run_id
     # The caller printed where to look, and rank 0's tqdm came through as whole lines.
     assert f"MLflow run {run.info.run_id}" in out and f"mlflow ui --backend-store-uri {uri}" in out
-    assert "\r" not in out
-    bars = [line for line in out.splitlines() if line.startswith("[rank 0] train:")]
+    assert "\r" not in out and "\r" not in err
+    # tqdm writes to stderr: shown on the caller's stderr, as under torchrun
+    bars = [line for line in err.splitlines() if line.startswith("[rank 0] train:")]
     assert bars and "100%" in bars[-1] and "10/10" in bars[-1]
     assert len(bars) < 10                         # not one line per redraw
     assert not any(line.startswith("[rank 1] train:") for line in out.splitlines())

@@ -8,9 +8,11 @@
     run.state          a ``RunState``; run.finished: ended and cleaned up
     run.describe()     one line for the announcement ("2 CPU worker processes ...")
 
-The local backend (``backends.local.run.LocalRun``) runs the ranks on this host; the Ray backend
-(``backends.ray.run.RayRun``) one node agent per node; ``backends.ray.ray_launch`` runs a Ray
-program once. The pipeline (``caller.pipeline``) and ``RunHandle`` know only this protocol.
+Every backend's run is a ``caller.controller.RunController`` subclass (the controller owns the
+lifecycle; the backend only starts, polls and stops): ``LocalRun`` runs the ranks on this host,
+``PoolRun`` on the warm pool, ``RayRun`` one node agent per node, ``RayProgramRun`` a Ray
+program once. The pipeline (``caller.pipeline``: its ``BACKENDS`` registry) and ``RunHandle``
+know only this protocol.
 """
 
 from __future__ import annotations

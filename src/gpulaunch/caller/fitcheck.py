@@ -65,6 +65,12 @@ def validate(plan_args) -> dict | None:
     taken = sorted(set(plan_args) & set(_FROM_LAUNCH))
     if taken:
         raise ConfigurationError(f"plan= must not set {taken}: the launch's own GPUs are what is checked")
+    if plan_args.get("mesh") is not None:
+        from ..planner.mesh import resolve_mesh
+        try:   # names and sizes now; whether they fill the GPUs is checked at launch
+            _check_mesh_shape(plan_args["mesh"], resolve_mesh)
+        except ValueError as e:
+            raise ConfigurationError(f"plan['mesh']: {e}") from None
     if plan_args.get("on_fail", "raise") not in ("raise", "warn"):
         raise ConfigurationError(f"plan['on_fail'] must be 'raise' or 'warn', got {plan_args['on_fail']!r}")
     strategy = plan_args.get("strategy")
@@ -75,6 +81,23 @@ def validate(plan_args) -> dict | None:
             raise ConfigurationError(f"plan['strategy']={strategy!r}: use one of {', '.join(STRATEGIES)} "
                                      "(optionally +offload), or leave it out to check that anything fits")
     return dict(plan_args)
+
+
+def _check_mesh_shape(mesh, resolve_mesh) -> None:
+    """The mesh's names and sizes, resolved against the world its own sizes make (shard=-1 as 1)."""
+    sizes = mesh if isinstance(mesh, dict) else None
+    if isinstance(mesh, str):
+        sizes = {k.strip(): v for k, _, v in (i.partition("=") for i in mesh.split(","))}
+    if sizes is None:
+        resolve_mesh(mesh, 1)
+        return
+    world = 1
+    for k, v in sizes.items():
+        try:
+            world *= max(1, int(v))
+        except (TypeError, ValueError):
+            raise ValueError(f"mesh size {k}={v!r} is not an integer") from None
+    resolve_mesh(mesh, world)
 
 
 def check(plan_args: dict | None, *, gpus_per_node: int, nodes: int, gpu_name: str | None,
@@ -103,6 +126,9 @@ def check(plan_args: dict | None, *, gpus_per_node: int, nodes: int, gpu_name: s
         raise ConfigurationError(f"plan=: {e}") from None
     gpu_gib = p.gpu_memory_bytes / GiB
     where = f"{p.world_size} x {p.gpu} ({gpu_gib:.0f} GiB)"
+    if p.mesh is not None:
+        from ..planner.mesh import label
+        where += f" as a mesh of {label(p.mesh)}"
     if strategy is None:
         if p.fits:
             pick = p.estimate(p.recommended, p.recommended_offload)
@@ -112,7 +138,11 @@ def check(plan_args: dict | None, *, gpus_per_node: int, nodes: int, gpu_name: s
             v = FitVerdict(None, False, None, gpu_gib, None, f"nothing fits on {where}: {p.reason}")
     else:
         base, _, off = str(strategy).lower().partition("+")
-        est = p.estimate(base, bool(off))
+        try:
+            est = p.estimate(base, bool(off))
+        except KeyError:
+            raise ConfigurationError(f"plan=: strategy {strategy!r} cannot run on {where}; it takes "
+                                     f"{', '.join(sorted({e.key for e in p.estimates}))}") from None
         rec = (p.recommended + ("+offload" if p.recommended_offload else "")) if p.fits else None
         if est.fits:
             msg = (f"{est.key} fits on {where}: predicted peak {est.peak_device / GiB:.1f} GiB per GPU")

@@ -5,7 +5,6 @@ from __future__ import annotations
 import threading
 import time
 
-from ..common import constants
 from ..common.records import RunState, StopReason
 from ..errors import LaunchError
 from .logstream import tail_text
@@ -58,12 +57,9 @@ class RunHandle:
             _stop_quietly(self._run)
 
     def _poll(self, timeout: float | None = None) -> bool:
-        interval = getattr(self._run, "poll_interval", constants.POLL_LOCAL_S)
-        hooks = getattr(self._run, "callbacks", None)      # their on_poll after each poll
+        interval = self._run.poll_interval
         end = None if timeout is None else time.monotonic() + timeout
-        while not self._run.poll():
-            if hooks is not None:
-                hooks.on_poll(self._run)
+        while not self._run.advance():         # a poll, then the callbacks' on_poll
             if end is not None and time.monotonic() > end:
                 return False
             self._run.pause(interval)
@@ -77,15 +73,13 @@ class RunHandle:
     @property
     def mlflow_run_id(self) -> str | None:
         """The MLflow run of this launch (None when tracking is off or its store failed)."""
-        cb = self._run.callbacks.find("tracking") if getattr(self._run, "callbacks", None) \
-            else None
+        cb = self._run.callbacks.find("tracking") if self._run.callbacks is not None else None
         return cb.run_id() if cb is not None else None
 
     @property
     def panel(self):
         """The notebook panel's view of this run (None outside Jupyter or with panel=False)."""
-        cb = self._run.callbacks.find("panel") if getattr(self._run, "callbacks", None) \
-            else None
+        cb = self._run.callbacks.find("panel") if self._run.callbacks is not None else None
         return cb.view if cb is not None else None
 
     def done(self) -> bool:
@@ -130,7 +124,7 @@ class RunHandle:
         frames (default: when py-spy is installed)."""
         from .stacks import collect_stacks
         return collect_stacks(self._run.run, self._run.spec.world_size, native=native,
-                              dump=getattr(self._run, "dump_stacks", None))
+                              dump=self._run.dump_stacks)
 
     def logs(self, rank: int | None = None, lines: int | None = None) -> str:
         """The log of one rank, or of every rank (prefixed), from the latest attempt."""

@@ -92,6 +92,39 @@ def _dumps(obj) -> bytes:
     return buf.getvalue()
 
 
+def rebuild_exception(cls, args, state):
+    """An exception from its args and attributes, without calling its ``__init__``."""
+    exc = cls.__new__(cls, *args)
+    exc.args = args
+    if state:
+        exc.__dict__.update(state)
+    return exc
+
+
+class _ExceptionByState(_Pickler):
+    """Pickles exceptions by state: ``BaseException.__reduce__`` re-calls ``cls(*self.args)``,
+    which fails for ``MyErr(code, msg)`` whose ``__init__`` passes only ``msg`` to ``super()``
+    (TypeError: missing 'msg'); the caller would get a RemoteError instead of the exception."""
+
+    def reducer_override(self, obj):
+        if isinstance(obj, BaseException) and type(obj).__reduce__ is BaseException.__reduce__:
+            return rebuild_exception, (type(obj), obj.args, dict(getattr(obj, "__dict__", {})))
+        return super().reducer_override(obj)
+
+
+def _dumps_exception(exc: BaseException) -> bytes:
+    """The exception pickled so the caller can rebuild it: as Python pickles it when that
+    round-trips, else by state (``_ExceptionByState``)."""
+    blob = _dumps(exc)
+    try:
+        cloudpickle.loads(blob)
+        return blob
+    except Exception:  # noqa: BLE001 - a constructor that cannot take its own args
+        buf = io.BytesIO()
+        _ExceptionByState(buf, protocol=5).dump(exc)
+        return buf.getvalue()
+
+
 def _source_lines(func) -> dict[str, list[str]]:
     """Source of code that lives only in the caller's memory (a notebook cell, ``python -c``),
     so tracebacks in the ranks can show the lines."""
@@ -209,7 +242,7 @@ def exception_record(exc: BaseException, *, rank: int, host: str, tb: str | None
     if tb is None:
         tb = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__))
     try:
-        blob = _dumps(exc)
+        blob = _dumps_exception(exc)
         cloudpickle.loads(blob)  # make sure the caller will be able to rebuild it
     except Exception:
         blob = None

@@ -76,13 +76,17 @@ class LaunchSpec(Record):
     env: tuple[tuple[str, str], ...] = ()       # env= plus settings that travel as variables
     start_timeout: float = 180.0
     node_lost_timeout: float = 30.0
+    keep_alive: float | bool = False            # a warm pool's idle seconds (False: cold)
+    debug: bool = False                         # pdb at a failing rank's frame
 
     @property
     def world_size(self) -> int:
         return self.nproc_per_node * self.nnodes
 
     @property
-    def backend(self) -> str:
+    def process_group_backend(self) -> str:
+        """torch.distributed's backend ("nccl" or "gloo"); ``LaunchRecord.backend`` is where
+        the run ran ("local", "ray", ...)."""
         return "nccl" if self.device == "cuda" else "gloo"
 
     def shows_rank(self, rank: int) -> bool:

@@ -24,9 +24,10 @@ See docs/fault-tolerance.md.
 """
 
 from .lighthouse import Lighthouse, LighthouseError
-from .replicas import ReplicaFailure, ReplicaGroups, ReplicasResult, group_pids, run_replicas
+from .replicas import ReplicaGroups, run_replicas
 from .replicated import Replicated, attempt, num_replicas, replica_id, replicated
+from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
 
 __all__ = ["Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups", "ReplicasResult",
-           "Replicated", "attempt", "group_pids", "num_replicas", "replica_id", "replicated",
-           "run_replicas"]
+           "Replicated", "attempt", "group_pids", "num_replicas", "read_steps", "replica_id",
+           "replicated", "run_replicas"]

@@ -53,13 +53,15 @@ class Lighthouse:
 
     @classmethod
     def start(cls, *, host: str = "127.0.0.1", port: int = 0, min_replicas: int = 1,
-              join_timeout_ms: int = 1000, quorum_tick_ms: int = 100,
+              join_timeout_ms: int = 1000, quorum_tick_ms: int = 20,
               heartbeat_timeout_ms: int = 1000, start_timeout: float = 60.0) -> "Lighthouse":
         """Start a lighthouse child process bound to ``host:port`` (0: a free port).
 
         heartbeat_timeout_ms: how long a silent replica group (a SIGKILLed one) still counts as
             alive; the survivors' next quorum waits for it (torchft's default is 5000).
         join_timeout_ms: how long a new quorum waits for stragglers that are alive but late.
+        quorum_tick_ms: how often the lighthouse looks for a quorum; every step waits for one
+            tick at most (torchft's default, 100, costs short CPU steps a few steps per second).
         """
         settings = dict(host=host, min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                         quorum_tick_ms=quorum_tick_ms, heartbeat_timeout_ms=heartbeat_timeout_ms,

@@ -17,7 +17,6 @@ groups are no longer restarted (there would be nobody to heal from).
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -37,79 +36,7 @@ from .replicated import (
     ENV_REPLICA,
     ENV_REPLICAS,
 )
-
-
-@dataclasses.dataclass
-class ReplicaFailure:
-    """One failure of one replica group, as the caller saw it."""
-
-    replica: int
-    attempt: int                  # the attempt that failed (0: the first start)
-    failed_at: float              # time.time() when the caller saw the group's run end
-    error: str                    # the group's error, one line
-    last_step: int | None         # the run's step at the group's last commit before it failed
-    restarted: bool               # False: out of restarts, or the run was already finishing
-    rejoined_at: float | None = None      # time of the next attempt's first committed step
-    healed_to: int | None = None          # the step it received from a peer when it rejoined
-    steps_missed: int | None = None       # run steps committed without this group
-
-    @property
-    def down_s(self) -> float | None:
-        """Seconds from the failure being seen to the group's next committed step."""
-        return None if self.rejoined_at is None else self.rejoined_at - self.failed_at
-
-
-@dataclasses.dataclass
-class ReplicasResult:
-    """What :func:`run_replicas` returns."""
-
-    results: dict[int, list]                    # replica -> per-rank results of its last attempt
-    failures: list[ReplicaFailure]
-    given_up: list[int]                         # replicas that ended failed
-    lighthouse_restarts: int
-    wall_s: float
-    steps: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # replica -> commits
-
-    def summary(self) -> str:
-        lines = [f"{len(self.results)} replica group(s) finished in {self.wall_s:.1f} s; "
-                 f"{len(self.failures)} failure(s); lighthouse restarts: "
-                 f"{self.lighthouse_restarts}"]
-        for f in self.failures:
-            lines.append(f"  replica {f.replica} attempt {f.attempt}: {f.error}; last step "
-                         f"{f.last_step}, healed to {f.healed_to}, missed {f.steps_missed}, "
-                         f"down {f.down_s if f.down_s is None else round(f.down_s, 2)} s")
-        return "\n".join(lines)
-
-
-def _one_line(e: BaseException) -> str:
-    text = str(e).strip().splitlines()
-    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
-
-
-def read_steps(folder: Path, replica: int) -> list[dict]:
-    """The committed-step records of one replica group (every attempt), in order."""
-    path = Path(folder) / f"replica{replica}.steps.jsonl"
-    out = []
-    try:
-        with open(path) as f:
-            for line in f:
-                if line.endswith("\n"):
-                    out.append(json.loads(line))
-    except FileNotFoundError:
-        pass
-    return out
-
-
-def group_pids(folder: Path, replica: int, attempt: int) -> list[int]:
-    """The rank processes of one attempt of one replica group (for fault injection)."""
-    pids = []
-    for p in Path(folder).glob(f"replica{replica}.attempt{attempt}.rank*.pid"):
-        try:
-            pids.append(int(p.read_text()))
-        except (OSError, ValueError):
-            pass
-    return pids
-
+from .result import ReplicaFailure, ReplicasResult, group_pids, one_line, read_steps
 
 ENV_SPARE = "GPULAUNCH_FT_SPARE"          # a spare's assignment file (it waits for it)
 
@@ -164,6 +91,11 @@ class ReplicaGroups:
                                          "gpulaunch restarts itself)" if reserved != "env"
                                          else "run_replicas(..., env=...): pass extra_env=")
         self.extra_env = dict(launch_options.pop("extra_env", None) or {})
+        # One compute thread per process, as torchrun gives each of several ranks: N groups
+        # and a spare each taking every core would crowd each other out (3.6x slower steps
+        # measured on 2 cores).
+        if "OMP_NUM_THREADS" not in os.environ:
+            self.extra_env.setdefault("OMP_NUM_THREADS", "1")
         self.fn = getattr(fn, "func", fn)         # a DistributedFunction or a plain function
         self.args, self.kwargs = tuple(args), dict(kwargs or {})
         self.replicas = replicas
@@ -222,6 +154,7 @@ class ReplicaGroups:
                ENV_LIGHTHOUSE: self.lighthouse.address,
                "NUM_REPLICA_GROUPS": str(self.replicas), **env}
         f = distributed(gpus=1, env=env, **self.launch_options)(_replica_entry)
+        f.__name__ = getattr(self.fn, "__name__", "replica")   # the run's label: the user's name
         return f.submit(self.fn, self.args, self.kwargs)
 
     def _launch(self, replica: int) -> None:
@@ -260,7 +193,7 @@ class ReplicaGroups:
                 try:
                     self.results[replica] = handle.result()
                 except Exception as e:  # noqa: BLE001 - the rank's own error type comes back too
-                    self._failed(replica, _one_line(e))
+                    self._failed(replica, one_line(e))
             elif self._rank_died(replica):
                 # Seen from the rank's pid at once; the launch reports it a while later (its
                 # agent notices, stops the group, writes the outcome): its error is filled in
@@ -273,7 +206,7 @@ class ReplicaGroups:
                 try:
                     handle.result()
                 except Exception as e:  # noqa: BLE001
-                    failure.error = _one_line(e)
+                    failure.error = one_line(e)
         self._fill_in_rejoins()
         return not self.handles
 

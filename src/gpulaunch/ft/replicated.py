@@ -182,7 +182,7 @@ class Replicated:
 
 
 def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0,
-               quorum_timeout: float = 60.0, quorum_retries: int = 5,
+               quorum_timeout: float = 60.0, quorum_retries: int = 10,
                state: dict | None = None, lighthouse: str | None = None) -> Replicated:
     """Put ``model`` and ``optimizer`` under torchft's Manager for this replica group.
 
@@ -195,8 +195,9 @@ def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0
             peer that vanished mid-step costs at most this.
         quorum_timeout: seconds a group waits for a quorum (a restarted group waits here for
             its peers' next step).
-        quorum_retries: times a quorum request is retried when the lighthouse fails (a
-            restarted lighthouse is back in well under a second).
+        quorum_retries: times a quorum request is retried when the lighthouse fails; torchft
+            waits ``quorum_timeout / (quorum_retries + 1)`` before each retry (5.5 s by default),
+            which is what a restarted lighthouse costs the groups.
         state: more objects with ``state_dict()`` / ``load_state_dict()`` (an lr scheduler, a
             data loader's position) sent with the weights to a healing group, by name.
         lighthouse: the lighthouse address; default ``$TORCHFT_LIGHTHOUSE`` (set by

@@ -1,4 +1,5 @@
-"""``gpulaunch.parallel``: one ``prepare()`` for DDP, FSDP2 and DeepSpeed ZeRO-1/2/3, checkpoints
+"""``gpulaunch.parallel``: one ``prepare()`` for DDP, FSDP2 (HSDP, tensor and context parallel through
+``mesh=Mesh(...)``) and DeepSpeed ZeRO-1/2/3, checkpoints
 that every strategy saves and loads atomically, ``export()`` to one plain file, and data helpers.
 
     from gpulaunch.parallel import prepare, save_checkpoint, load_checkpoint
@@ -32,18 +33,20 @@ from .data import (
 )
 from .export import export
 from .loss import chunked_cross_entropy
+from .mesh import Mesh
 from .resume import resume
 from .strategies import (
     PRECISIONS,
     STRATEGIES,
     Prepared,
+    PrepareSettings,
     deepspeed_config,
     estimate_training_bytes,
     prepare,
 )
 
 __all__ = [
-    "PRECISIONS", "STRATEGIES", "DistributedLoader", "ParallelError", "Prepared", "ShardedFileDataset",
+    "PRECISIONS", "STRATEGIES", "DistributedLoader", "Mesh", "ParallelError", "PrepareSettings", "Prepared", "ShardedFileDataset",
     "chunked_cross_entropy", "deepspeed_config", "distributed_loader", "estimate_training_bytes",
     "export", "find_blocks", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prepare",
     "read_lines", "resume", "save_checkpoint", "seed_everything", "wait_for_checkpoint",

@@ -95,6 +95,14 @@ def start(state: dict, writer, final_dir: str, publish: Callable[[], None] | Non
         _pending = _Pending(future, final_dir, publish)
 
 
+def track(future, final_dir: str) -> None:
+    """Make another background job (a staged upload, ``parallel._staging``) the save in flight:
+    waited for, and its error raised, like an asynchronous DCP write."""
+    global _pending
+    with _lock:
+        _pending = _Pending(future, final_dir, None)
+
+
 def wait_for_checkpoint(*, barrier: bool = True) -> str | None:
     """Block until the asynchronous save in flight (if any) is written and published on every
     rank (a barrier: rank 0 publishes), and return its folder. Call it on every rank. Raises

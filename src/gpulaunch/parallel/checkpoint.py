@@ -10,11 +10,10 @@ Layout under a checkpoint root (a local path or an fsspec URL)::
         model/ ...             torch Distributed Checkpoint (none/ddp/fsdp) or DeepSpeed's own (zero*)
       latest                   name of the newest complete checkpoint, rewritten last
 
-Atomicity: on a local filesystem every rank writes into ``root/.tmp-step_...-<uuid>``; after a
-barrier rank 0 writes ``COMPLETE`` and renames the folder into place, then rewrites ``latest``
-(write + ``os.replace``). On object stores, where rename is a copy, the files go straight into
-``step_...`` and ``COMPLETE`` is written last; a folder without ``COMPLETE`` is treated as absent.
-Either way a crash mid-save leaves the previous checkpoint the newest loadable one.
+Atomicity: locally every rank writes into ``root/.tmp-step_...-<uuid>``; after a barrier rank 0
+writes ``COMPLETE``, renames the folder into place and rewrites ``latest`` (``os.replace``). To an
+object store the files go to local disk, are uploaded in the background, then ``COMPLETE`` is
+written (``_staging``). A crash mid-save leaves the previous checkpoint the newest loadable one.
 
 DDP/FSDP checkpoints are sharded (no full-state-dict gather on any rank, so no host-RAM blow-up),
 keyed by the plain module's parameter names, so one saved under DDP loads under FSDP and vice versa,
@@ -37,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common import diskfull
-from . import _async_save, _data_position, _env
+from . import _async_save, _data_position, _env, _staging
 from ._env import ParallelError, is_url
 from ._storage import (
     _dcp_reader,
@@ -258,7 +257,7 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
     root = str(path)
     name = f"step_{step:08d}"
     final_dir = _join(root, name)
-    url = is_url(root)
+    url, staged = is_url(root), _staging.wanted(root) and not isinstance(p, DeepSpeedPrepared)
     r = _env.rank()
 
     if r == 0:
@@ -273,13 +272,14 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
             fs.rm(pp)
     uid = _broadcast(uuid.uuid4().hex[:12] if r == 0 else None)
     _env.barrier()
-    write_dir = final_dir if url else os.path.join(root, f".tmp-{name}-{uid}")
+    write_dir = (_staging.stage_dir(uid, name) if staged else final_dir) if url else \
+        os.path.join(root, f".tmp-{name}-{uid}")
     if r == 0:
         _makedirs(write_dir)
     _env.barrier()
 
     with diskfull.named(root, f"saving checkpoint step {step}"):  # a full disk says so
-        if not async_save:
+        if not async_save or staged:
             _write_payload(p, write_dir)
         _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
         _data_position.save(write_dir, r)   # registered loaders' positions (gpulaunch.data)
@@ -297,12 +297,16 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
 
     def publish():
         meta = {"step": step, "strategy": p.strategy, "format": _format(p), "world_size": _env.world_size(),
-                "mixed_precision": p.mixed_precision, "time": time.time(), "torch": torch.__version__}
+                "mixed_precision": p.mixed_precision, "time": time.time(), "torch": torch.__version__,
+                # the layout it was saved under (DCP reshards to any other on load)
+                "mesh": p.mesh.spec.sizes if getattr(p, "mesh", None) is not None else None}
         _publish(None if url else write_dir, final_dir, root, meta)
         if keep:
             for _, old in list_checkpoints(root)[:-keep]:
                 _rmtree(old)
 
+    if staged:
+        return _staging.upload_then_publish(write_dir, final_dir, publish if r == 0 else None)
     if async_save:
         _async_save.start(_dcp_state(p), _dcp_writer(_join(write_dir, "model")), final_dir,
                           publish if r == 0 else None)
@@ -333,6 +337,7 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
             f"loaded as {p.strategy!r}: export() it to one file and load that into the plain model "
             "before prepare(), or resume with the strategy it was saved with.")
 
+    src, done = _staging.fetch(ckpt, fmt)   # an object store's: a local copy, once per node
     if isinstance(p, DeepSpeedPrepared):
         _load_deepspeed(p, ckpt, load_optimizer)
     else:
@@ -349,28 +354,28 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
         if p.optimizer is not None and load_optimizer:
             msd, osd = get_state_dict(p.model, p.optimizer)
             state = {"model": msd, "optim": osd}
-            dcp.load(state, storage_reader=_dcp_reader(_join(ckpt, "model")))
+            dcp.load(state, storage_reader=_dcp_reader(_join(src, "model")))
             set_state_dict(p.model, p.optimizer, model_state_dict=state["model"],
                            optim_state_dict=state["optim"], options=opts)
         else:
             state = {"model": get_model_state_dict(p.model)}
-            dcp.load(state, storage_reader=_dcp_reader(_join(ckpt, "model")))
+            dcp.load(state, storage_reader=_dcp_reader(_join(src, "model")))
             set_model_state_dict(p.model, state["model"], options=opts)
 
-    ts = _torch_load(_join(ckpt, "trainer_state.pt"))
+    ts = _torch_load(_join(src, "trainer_state.pt"))
     if isinstance(p, TorchPrepared):
         p._micro = ts.get("micro", 0)
         if p.lr_scheduler is not None and "lr_scheduler" in ts:
             p.lr_scheduler.load_state_dict(ts["lr_scheduler"])
         if p.scaler is not None and "scaler" in ts:
             p.scaler.load_state_dict(ts["scaler"])
-    _data_position.load(ckpt, _env.rank())
+    _data_position.load(src, _env.rank())
     if loader is not None and ts.get("loader") is not None:
         loader.load_state_dict(ts["loader"])
-    rng = _join(ckpt, f"rng_rank{_env.rank():05d}.pt")
+    rng = _join(src, f"rng_rank{_env.rank():05d}.pt")
     if meta["world_size"] == _env.world_size() and _exists(rng):
         _set_rng_state(_torch_load(rng))
-    _env.barrier()
+    done()                                   # a barrier (and the local copy removed)
     return {"step": ts["step"], "extra": ts.get("extra"), "path": ckpt}
 
 

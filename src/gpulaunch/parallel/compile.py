@@ -24,6 +24,7 @@ from typing import Any
 from torch import nn
 
 from ._env import ParallelError
+from .activation_checkpoint import apply_activation_checkpointing  # noqa: F401 - its old home
 
 __all__ = ["apply_activation_checkpointing", "compile_in_place", "compile_options"]
 
@@ -40,19 +41,6 @@ def compile_options(compile: CompileArg) -> dict[str, Any] | None:
         return dict(compile)
     raise ParallelError(f"compile= takes True/False or a dict of torch.compile options "
                         f"(e.g. {{'mode': 'max-autotune-no-cudagraphs'}}), got {compile!r}")
-
-
-def apply_activation_checkpointing(blocks: list[nn.Module]) -> None:
-    """Recompute each block's activations in backward (non-reentrant ``checkpoint``)."""
-    from torch.utils.checkpoint import checkpoint
-
-    for block in blocks:
-        inner = block.forward  # bound method; the instance attribute below shadows the class's forward
-
-        def ckpt_forward(*args, __inner=inner, **kwargs):
-            return checkpoint(__inner, *args, use_reentrant=False, **kwargs)
-
-        block.forward = ckpt_forward
 
 
 def compile_in_place(module: nn.Module, options: dict[str, Any]) -> None:

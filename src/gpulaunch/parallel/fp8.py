@@ -1,8 +1,9 @@
 """FP8 training on GPUs with FP8 tensor cores, through torchao's float8 linear layers.
 
 ``prepare(..., precision="fp8")`` swaps the ``nn.Linear`` layers inside the model's repeated
-blocks for torchao's ``Float8Linear`` (tensorwise dynamic scaling: the recipe torchtitan
-measured fastest on H100), before activation checkpointing, compilation and sharding, in that
+blocks for torchao's ``Float8Linear`` (``fp8_recipe="tensorwise"``, the default: dynamic
+per-tensor scaling, the recipe torchtitan measured fastest on H100; or ``"rowwise"``: one scale
+per row, more accurate, its all-gathers in bf16), before activation checkpointing, compilation and sharding, in that
 order. The rest of the model computes in bf16. Left in bf16, on purpose:
 
 * everything outside the blocks: the first and the last layers (embedding, output head), whose
@@ -25,11 +26,12 @@ from torch import nn
 from ._env import ParallelError
 from .blocks import find_blocks
 
-__all__ = ["MIN_CAPABILITY", "check_fp8_hardware", "convert_to_fp8", "fp8_candidates"]
+__all__ = ["MIN_CAPABILITY", "RECIPES", "check_fp8_hardware", "check_recipe", "convert_to_fp8", "fp8_candidates"]
 
 # Ada (8.9), Hopper (9.0) and later have FP8 tensor cores; Ampere (8.0/8.6) does not.
 MIN_CAPABILITY = (8, 9)
 _SMALL_OUT, _SMALL_IN = 1024, 4096
+RECIPES = ("tensorwise", "rowwise")
 
 
 def check_fp8_hardware(device: torch.device) -> None:
@@ -67,9 +69,20 @@ def fp8_candidates(model: nn.Module, blocks=None) -> list[str]:
     return out
 
 
-def convert_to_fp8(model: nn.Module, *, fsdp: bool, blocks=None) -> tuple[list[str], list[Callable[[], None]]]:
+def check_recipe(recipe: str) -> str:
+    if recipe not in RECIPES:
+        raise ParallelError(f"fp8_recipe= takes one of {', '.join(RECIPES)}, got {recipe!r}")
+    return recipe
+
+
+def convert_to_fp8(model: nn.Module, *, fsdp: bool, blocks=None,
+                   recipe: str = "tensorwise") -> tuple[list[str], list[Callable[[], None]]]:
     """Swap the qualifying linears for ``Float8Linear`` in place. Returns (converted names,
-    functions to run after each optimizer step)."""
+    functions to run after each optimizer step).
+
+    ``recipe``: ``"tensorwise"`` (one scale per tensor; under FSDP2 the all-gathers carry FP8) or
+    ``"rowwise"`` (one scale per row: closer to bf16's loss at large widths, all-gathers in bf16)."""
+    check_recipe(recipe)
     try:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
     except ImportError as e:
@@ -83,10 +96,13 @@ def convert_to_fp8(model: nn.Module, *, fsdp: bool, blocks=None) -> tuple[list[s
             "precision='fp8' found no linear layer worth converting: FP8 needs nn.Linear layers "
             "inside the repeated blocks with both dimensions divisible by 16 and not small "
             f"(out_features > {_SMALL_OUT} or in_features > {_SMALL_IN}). Use mixed_precision='bf16'.")
-    config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    if recipe == "tensorwise":
+        config = Float8LinearConfig(enable_fsdp_float8_all_gather=fsdp)
+    else:   # torchao's rowwise recipe; its FSDP2 all-gathers stay in bf16
+        config = Float8LinearConfig.from_recipe_name(recipe)
     convert_to_float8_training(model, module_filter_fn=lambda mod, fqn: fqn in names, config=config)
     after_step: list[Callable[[], None]] = []
-    if fsdp:
+    if fsdp and recipe == "tensorwise":
         from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
 
         after_step.append(lambda: precompute_float8_dynamic_scale_for_fsdp(model))

@@ -1,4 +1,10 @@
-"""FSDP2 behind ``prepare(strategy="fsdp")``: ``fully_shard`` per block, then the root."""
+"""FSDP2 behind ``prepare(strategy="fsdp")``: ``fully_shard`` per block, then the root.
+
+The mesh it shards over comes from :class:`gpulaunch.parallel.mesh.BuiltMesh`: 1-D (FSDP over
+shard x context), or 2-D replicate x shard (HSDP: reduce-scatter within a shard group, all-reduce
+across replicas). Parameters that tensor parallelism already split are DTensors on the tensor
+mesh; ``fully_shard`` shards them further (FSDP2 x TP, 2-D or 3-D with HSDP).
+"""
 
 from __future__ import annotations
 
@@ -10,11 +16,14 @@ import torch
 from . import _env
 from ._env import ParallelError
 from ._optim import build_optimizer, param_names
+from .compile import compile_in_place
 
 __all__ = ["apply_fsdp"]
 
 
-def apply_fsdp(model, optimizer, device, dtype, cpu_offload, blist, fsdp_kwargs):
+def apply_fsdp(model, optimizer, device, dtype, cpu_offload, blist, fsdp_kwargs, mesh=None, compile_opts=None):
+    """Shard ``model`` over ``mesh`` (a torch DeviceMesh; default: every rank, 1-D), compiling each
+    block before it is sharded and the root after. Returns (model, optimizer)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
@@ -36,7 +45,11 @@ def apply_fsdp(model, optimizer, device, dtype, cpu_offload, blist, fsdp_kwargs)
 
     if not cpu_offload:
         model.to(device)
-    mesh = fsdp_kwargs.pop("mesh", None) or init_device_mesh(device.type, (_env.world_size(),))
+    fsdp_kwargs = dict(fsdp_kwargs)
+    mesh = mesh or fsdp_kwargs.pop("mesh", None) or init_device_mesh(device.type, (_env.world_size(),))
+    if compile_opts is not None:
+        for block in blist:
+            compile_in_place(block, compile_opts)
     mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     kw = {"mesh": mesh, "mp_policy": mp, "offload_policy": CPUOffloadPolicy() if cpu_offload else OffloadPolicy()}
     kw.update(fsdp_kwargs)
@@ -48,6 +61,8 @@ def apply_fsdp(model, optimizer, device, dtype, cpu_offload, blist, fsdp_kwargs)
     for i, block in enumerate(blist):
         fully_shard(block, **{"reshard_after_forward": not keep_all and i < len(blist) - 1, **kw})
     fully_shard(model, **kw)
+    if compile_opts is not None:   # the root's own code: embedding, head, loss
+        compile_in_place(model, compile_opts)
 
     if rebuild_groups is not None:
         warnings.warn(

@@ -26,6 +26,7 @@ class Prepared:
     model: nn.Module
     optimizer: torch.optim.Optimizer | None
     lr_scheduler: Any = None
+    mesh: Any = None   # a parallel.mesh.BuiltMesh, or None (no mesh: one flat world)
 
     def backward(self, loss: torch.Tensor) -> None:
         raise NotImplementedError
@@ -46,12 +47,38 @@ class Prepared:
         raise NotImplementedError
 
     @property
+    def data_rank(self) -> int:
+        """Which batch this rank reads: its index among the data-parallel (replicate x shard) ranks.
+        The ranks of one tensor- or context-parallel group read the same batch."""
+        if self.mesh is not None:
+            return self.mesh.data_rank
+        from . import _env
+        return _env.rank() if self.strategy != "none" else 0
+
+    @property
+    def data_size(self) -> int:
+        """How many different batches one step reads (the data-parallel world size)."""
+        if self.mesh is not None:
+            return self.mesh.data_size
+        from . import _env
+        return _env.world_size() if self.strategy != "none" else 1
+
+    def context_parallel(self, *buffers, seq_dims=None):
+        """Context manager: shard the sequence tensors (inputs, labels, positions) over the mesh's
+        context ranks for one forward and backward (:mod:`gpulaunch.parallel.context_parallel`)."""
+        if self.mesh is None or self.mesh.spec.context == 1:
+            raise ParallelError("context_parallel() needs prepare(..., mesh=Mesh(context=N)) with N > 1")
+        from .context_parallel import context_parallel
+        return context_parallel(self.mesh.context, buffers, seq_dims)
+
+    @property
     def sync_gradients(self) -> bool:
         """True when the next ``step()`` is an accumulation boundary."""
         return (self._micro + 1) % self.gradient_accumulation_steps == 0
 
     def __repr__(self):
-        return (f"Prepared(strategy={self.strategy!r}, device={self.device}, "
+        mesh = f", mesh={self.mesh.spec}" if self.mesh is not None else ""
+        return (f"Prepared(strategy={self.strategy!r}{mesh}, device={self.device}, "
                 f"mixed_precision={self.mixed_precision!r}, "
                 f"gradient_accumulation_steps={self.gradient_accumulation_steps})")
 
@@ -60,8 +87,9 @@ class TorchPrepared(Prepared):
     """``none``, ``ddp`` and ``fsdp``: plain torch optimizer, our own accumulation and loss scaling."""
 
     def __init__(self, strategy, model, optimizer, device, mixed_precision, gas, max_grad_norm,
-                 lr_scheduler, scaler, inner, after_step: list[Callable[[], Any]] | None = None):
+                 lr_scheduler, scaler, inner, after_step: list[Callable[[], Any]] | None = None, mesh=None):
         self.strategy, self.model, self.optimizer, self.device = strategy, model, optimizer, device
+        self.mesh = mesh   # a parallel.mesh.BuiltMesh, or None (no mesh: one flat world)
         self.mixed_precision, self.gradient_accumulation_steps = mixed_precision, gas
         self.max_grad_norm, self.lr_scheduler, self.scaler, self._inner = max_grad_norm, lr_scheduler, scaler, inner
         self._micro = 0
@@ -78,7 +106,7 @@ class TorchPrepared(Prepared):
 
     def _clip(self):
         params = [p for p in self.model.parameters() if p.grad is not None]
-        if self.strategy == "fsdp":
+        if self.strategy == "fsdp":   # sharded (and tensor-parallel) gradients are DTensors
             from torch.distributed.tensor import DTensor
 
             total = torch.nn.utils.get_total_norm([p.grad for p in params], norm_type=2.0)
@@ -87,6 +115,7 @@ class TorchPrepared(Prepared):
             torch.nn.utils.clip_grads_with_norm_(params, self.max_grad_norm, total)
             return total
         return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+
 
     def step(self):
         if self.optimizer is None:
@@ -122,6 +151,8 @@ class TorchPrepared(Prepared):
         elif self.strategy == "ddp":
             with self.model.no_sync():
                 yield
+        elif not hasattr(self.model, "set_requires_gradient_sync"):
+            yield   # tensor parallel only: no data-parallel gradient sync to skip
         else:  # fsdp: keep unsharded grads locally, reduce-scatter on the last micro-batch
             self.model.set_requires_gradient_sync(False)
             try:

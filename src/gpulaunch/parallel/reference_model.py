@@ -97,16 +97,24 @@ class Attention(nn.Module):
         self.wk = nn.Linear(c.dim, c.n_kv_heads * self.head_dim, bias=False)
         self.wv = nn.Linear(c.dim, c.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(c.n_heads * self.head_dim, c.dim, bias=False)
+        self.expand_kv = False   # set by prepare() under context parallelism
 
     def forward(self, x, cos, sin):
         B, T, _ = x.shape
-        q = self.wq(x).view(B, T, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        # heads as -1: under tensor parallelism each rank holds n_heads / tensor of them
+        q = self.wq(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         cos, sin = cos.to(q.dtype), sin.to(q.dtype)
         q, k = _rope(q, cos, sin), _rope(k, cos, sin)
+        gqa = q.shape[1] != k.shape[1]
+        if gqa and self.expand_kv:
+            # context parallel's ring attention calls the SDPA kernels itself, without enable_gqa
+            rep = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+            gqa = False
         # SDPA reads each K/V head for its n_heads/n_kv query heads itself (no copies)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=self.n_kv != self.n_heads)
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
         return self.wo(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -156,17 +164,19 @@ class Llama(nn.Module):
             else:
                 nn.init.ones_(p)
 
-    def _rope_tables(self, T: int, device):
+    def _rope_tables(self, T: int, device, positions=None):
         c = self.config
         hd = c.dim // c.n_heads
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, hd, 2, device=device, dtype=torch.float32) / hd))
-        t = torch.arange(T, device=device, dtype=torch.float32)
+        t = torch.arange(T, device=device, dtype=torch.float32) if positions is None else positions.float()
         freqs = torch.outer(t, inv)
         return freqs.cos(), freqs.sin()   # fp32; each attention casts them to its q's dtype
 
-    def forward(self, tokens, targets=None):
+    def forward(self, tokens, targets=None, positions=None):
+        """``positions`` (1-D, one per token): where each token sits in the sequence, when it is
+        not ``0..T-1``: under context parallelism each rank holds a reordered share of it."""
         x = self.tok_emb(tokens)
-        cos, sin = self._rope_tables(tokens.shape[1], tokens.device)
+        cos, sin = self._rope_tables(tokens.shape[1], tokens.device, positions)
         for layer in self.layers:
             x = layer(x, cos, sin)
         return self.head(x, targets)

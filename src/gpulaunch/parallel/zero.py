@@ -7,11 +7,60 @@ from typing import Any
 import torch
 
 from ._env import ParallelError
+from .activation_checkpoint import apply_activation_checkpointing
 from .blocks import find_blocks
-from .compile import apply_activation_checkpointing
 from .prepared import DeepSpeedPrepared
 
-__all__ = ["deepspeed_config", "prepare_deepspeed"]
+__all__ = ["deepspeed_config", "prepare_deepspeed", "zero_speed_settings"]
+
+# DeepSpeed's own defaults for ZeRO-3 buckets (deepspeed/runtime/zero/config.py); HF's "auto"
+# replaces them with hidden_size-based values that are far smaller for a 1B model.
+_REDUCE_BUCKET = int(5e8)
+_PREFETCH_BUCKET = int(5e7)
+_PERSISTENCE_THRESHOLD = int(1e5)
+
+
+def zero_speed_settings(stage: int, *, on_gpu: bool = True, block_numel: int | None = None,
+                        hidden_size: int | None = None) -> dict:
+    """The ``zero_optimization`` keys that decide ZeRO-2/3 speed, each set on purpose (the values
+    HF's ``"auto"`` or a ``0`` would otherwise give are what made the seed's ZeRO-3 dict slow).
+
+    ``block_numel``: parameters of one repeated block (a decoder layer), when known: the prefetch
+    bucket then holds at least the next whole block, so its all-gather overlaps this block's
+    compute. ``hidden_size``, when known, sets the persistence threshold (below)."""
+    if stage < 2:
+        return {}
+    zero: dict[str, Any] = {
+        # reduce(-scatter) gradients on a side stream while backward goes on; gloo on CPU has no
+        # streams to overlap with (and the CPU path was tested without it)
+        "overlap_comm": bool(on_gpu),
+        # copy each gradient into one flat buffer as it is produced: no fragmentation, and the
+        # reduce reads contiguous memory
+        "contiguous_gradients": True,
+        # DeepSpeed's default: a few large reduces a step. HF's "auto" (hidden_size^2 = 4.2 M
+        # elements for Llama-3.2-1B) splits a 1B model's gradients into ~300 small ones
+        "reduce_bucket_size": _REDUCE_BUCKET,
+    }
+    if stage == 3:
+        zero.update({
+            # gather the next parameters while this block computes. HF's "auto" (0.9 hidden^2 =
+            # 3.8 M for 1B) is smaller than one MLP weight (16.8 M): nothing is ever prefetched
+            "stage3_prefetch_bucket_size": max(_PREFETCH_BUCKET, int(1.1 * (block_numel or 0))),
+            # keep small tensors (norm weights, biases) whole on every rank: partitioning them
+            # costs an all-gather and two hooks each per forward and backward for a few KiB.
+            # The seed's 0 partitioned every norm. 10 x hidden_size (HF's choice) keeps exactly
+            # the vectors whole and partitions every matrix, also in a tiny test model;
+            # DeepSpeed's default 1e5 otherwise (the same split for 1-70B models)
+            "stage3_param_persistence_threshold": (10 * hidden_size if hidden_size
+                                                   else _PERSISTENCE_THRESHOLD),
+            # DeepSpeed's defaults, explicit: keep gathered parameters for reuse rather than
+            # re-gathering them (1e9 elements is more than a 1-8B model's blocks)
+            "stage3_max_live_parameters": int(1e9),
+            "stage3_max_reuse_distance": int(1e9),
+            # optimizer step over sub-groups of 1e9 elements: one group for models this size
+            "sub_group_size": int(1e9),
+        })
+    return zero
 
 
 def _deep_merge(base: dict, override: dict) -> dict:
@@ -26,11 +75,12 @@ def _deep_merge(base: dict, override: dict) -> dict:
 
 def deepspeed_config(stage: int, *, mixed_precision=None, gradient_accumulation_steps: int = 1,
                      max_grad_norm: float | None = None, cpu_offload: bool = False,
-                     micro_batch_size: int = 1, overrides: dict | None = None) -> dict:
-    """The DeepSpeed config ``prepare()`` generates; ``overrides`` are deep-merged last."""
-    zero: dict[str, Any] = {"stage": stage}
-    if stage >= 2:
-        zero.update(overlap_comm=False, contiguous_gradients=True)
+                     micro_batch_size: int = 1, overrides: dict | None = None,
+                     on_gpu: bool = True, block_numel: int | None = None) -> dict:
+    """The DeepSpeed config ``prepare()`` generates; ``overrides`` are deep-merged last.
+    ``on_gpu`` and ``block_numel``: see ``zero_speed_settings``."""
+    zero: dict[str, Any] = {"stage": stage, **zero_speed_settings(stage, on_gpu=on_gpu,
+                                                                   block_numel=block_numel)}
     if stage == 3:
         # lets save_16bit_model / export gather real weights instead of writing empty ones
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -64,14 +114,15 @@ def prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activ
         raise ParallelError(f"strategy={strategy!r} needs DeepSpeed: pip install 'gpulaunch[deepspeed]' "
                             f"(or pip install deepspeed); import failed: {e}") from e
     stage = int(strategy[-1])
+    blist = find_blocks(model, blocks)
     if activation_checkpointing:
-        blist = find_blocks(model, blocks)
-        if not blist:
-            raise ParallelError("activation_checkpointing=True but no repeated blocks were found; pass blocks=")
-        apply_activation_checkpointing(blist)
+        apply_activation_checkpointing(blist, activation_checkpointing)
     cfg = deepspeed_config(stage, mixed_precision=mixed_precision, gradient_accumulation_steps=gas,
                            max_grad_norm=max_grad_norm, cpu_offload=cpu_offload,
-                           micro_batch_size=micro_batch_size, overrides=overrides)
+                           micro_batch_size=micro_batch_size, overrides=overrides,
+                           on_gpu=device.type == "cuda",
+                           block_numel=max((sum(p.numel() for p in b.parameters()) for b in blist),
+                                           default=None))
     kwargs: dict[str, Any] = {"model": model, "config": cfg, "dist_init_required": False}
     if optimizer is not None:
         kwargs["optimizer"] = optimizer

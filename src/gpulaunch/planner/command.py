@@ -37,6 +37,9 @@ def _arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--gpu-memory-gib", type=float, default=None, help="override the GPU's memory")
     p.add_argument("--strategies", default=None, help="comma list, e.g. ddp,fsdp,zero3+offload")
     p.add_argument("--no-offload", action="store_true", help="leave out the CPU-offload variants")
+    p.add_argument("--mesh", default=None,
+                   help="plan a device mesh over the GPUs: NAME=SIZE pairs of replicate, shard, context, "
+                        "tensor, e.g. replicate=2,shard=4 (HSDP) or shard=4,tensor=2 (FSDP2 x TP)")
     p.add_argument("--json", action="store_true", help="print JSON instead of the table")
 
 
@@ -48,7 +51,8 @@ def main(args) -> int:
                  lora_rank=args.lora_rank, activation_checkpointing=args.activation_checkpointing,
                  gpus_per_node=args.gpus_per_node, nodes=args.nodes, gpu=args.gpu,
                  gpu_memory_bytes=int(args.gpu_memory_gib * GiB) if args.gpu_memory_gib else None,
-                 strategies=args.strategies.split(",") if args.strategies else None, offload=not args.no_offload)
+                 strategies=args.strategies.split(",") if args.strategies else None, offload=not args.no_offload,
+                 mesh=args.mesh)
     except (ValueError, TypeError, FileNotFoundError) as e:
         print(f"gpulaunch plan: error: {e}", file=sys.stderr)
         return 2

@@ -13,7 +13,7 @@ the assumptions are the constants below, each named for what it models.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from . import activations as act
 from .shapes import ModelShape
@@ -73,7 +73,11 @@ def _counts(shape: ModelShape, setup: TrainingSetup) -> tuple[int, int]:
     return total, trainable
 
 
-def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: int) -> MemoryBreakdown:
+def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: int,
+             tensor: int = 1) -> MemoryBreakdown:
+    """``world``: the ranks the states are divided over; ``tensor`` > 1 (FSDP2 x tensor parallel,
+    with ``world`` = shard x context x tensor): each rank gathers 1/tensor of a block, and sequence
+    parallelism keeps 1/tensor of each block's activations (planner/mesh.py)."""
     P, Pt = _counts(shape, setup)
     Pf = P - Pt
     N = max(1, world)
@@ -83,6 +87,7 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
     name, off = tech.name, tech.offload
     layer = shape.largest_layer_params if shape.family == "generic" else shape.layer_params()
     root = 0 if shape.family == "generic" else shape.embedding_params() + shape.head_params()
+    layer, root = layer // tensor, root // tensor   # what one tensor-parallel rank gathers
     linear_params = max(0, P - root) if shape.family != "generic" else P
     if not shape.head_params() and shape.family == "decoder":
         linear_params += shape.vocab_size * shape.hidden_size  # tied head is still a matmul
@@ -159,6 +164,9 @@ def estimate(shape: ModelShape, setup: TrainingSetup, tech: Technique, world: in
                 params = 0
 
     prof = act.profile(shape, setup, mode, adapter_bytes)
+    if tensor > 1:   # sequence parallel: blocks' activations and their inputs split over the tensor ranks
+        prof = replace(prof, per_layer=prof.per_layer // tensor, checkpoint=prof.checkpoint // tensor,
+                       layer_backward_transient=prof.layer_backward_transient // tensor)
     static = params + opt + buckets + ALLOC_WORKSPACE
     head_grad = (4 if name == "ddp" and not setup.lora else c) * (shape.vocab_size * shape.hidden_size
                                                                  if not setup.lora and shape.family == "decoder" else 0) // (N if name in ("fsdp", "zero2", "zero3") else 1)

@@ -4,6 +4,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 from . import memory, timing
+from . import mesh as mesh_plan
 from .inputs import resolve_model
 from .memory import OFFLOADABLE, STRATEGIES, Technique
 from .shapes import ModelShape
@@ -57,6 +58,7 @@ class Plan:
     recommended_offload: bool
     reason: str
     notes: tuple[str, ...] = ()
+    mesh: dict | None = None      # replicate/shard/context/tensor sizes, when planned for a mesh
 
     @property
     def world_size(self) -> int:
@@ -92,9 +94,13 @@ def plan(model, *, micro_batch_size: int = 1, seq_len: int = 2048, precision: st
          optimizer: str = "adamw", optimizer_impl: str = "foreach", lora_rank: int | None = None,
          activation_checkpointing: bool = False, gpus_per_node: int | None = None, nodes: int = 1,
          gpu: str | None = None, gpu_memory_bytes: int | None = None,
-         strategies=None, offload: bool = True) -> Plan:
+         strategies=None, offload: bool = True, mesh=None) -> Plan:
     """Estimate every technique (``strategies`` restricts them; ``offload=False`` drops CPU-offload
-    variants) and recommend the fastest that fits. Raises ValueError on bad input, naming the fix."""
+    variants) and recommend the fastest that fits. Raises ValueError on bad input, naming the fix.
+
+    ``mesh``: replicate x shard x context x tensor sizes (a dict, ``"replicate=2,shard=4"`` or a
+    ``gpulaunch.parallel.Mesh``) over the ``gpus_per_node * nodes`` GPUs: the techniques that can
+    run that layout, estimated for it (:mod:`gpulaunch.planner.mesh`)."""
     shape = resolve_model(model)
     setup = TrainingSetup(micro_batch_size=micro_batch_size, seq_len=seq_len, precision=precision,
                           optimizer=optimizer, optimizer_impl=optimizer_impl, lora_rank=lora_rank,
@@ -108,12 +114,25 @@ def plan(model, *, micro_batch_size: int = 1, seq_len: int = 2048, precision: st
         raise ValueError(f"gpus_per_node must be >= 1, got {gpus_per_node}")
     mem = gpu_memory_bytes or spec.memory_bytes
     world = gpus_per_node * nodes
+    sizes = mesh_plan.resolve_mesh(mesh, world) if mesh is not None else None
+    if sizes is not None:
+        allowed = mesh_plan.techniques(sizes)
+        if strategies is None:
+            strategies = allowed + [f"{n}+offload" for n in allowed if n in OFFLOADABLE and offload]
+        bad = [n for n in strategies if n.lower().partition("+")[0] not in allowed]
+        if bad:
+            raise ValueError(f"{', '.join(bad)} cannot run the mesh {mesh_plan.label(sizes)}: it takes "
+                             f"{', '.join(allowed)}")
     wanted = _techniques(strategies, offload)
 
     raw = []
     for tech in wanted:
-        m = memory.estimate(shape, setup, tech, world)
-        t = timing.step_seconds(shape, setup, tech, world, nodes, spec)
+        if sizes is not None:
+            m = mesh_plan.estimate(shape, setup, tech, sizes)
+            t = mesh_plan.step_seconds(shape, setup, tech, sizes, gpus_per_node, nodes, spec)
+        else:
+            m = memory.estimate(shape, setup, tech, world)
+            t = timing.step_seconds(shape, setup, tech, world, nodes, spec)
         raw.append((tech, m, t))
     fitting = [t for tech, m, t in raw if m.peak_device <= mem]
     best_t = min(fitting) if fitting else min(t for _, _, t in raw)
@@ -131,7 +150,7 @@ def plan(model, *, micro_batch_size: int = 1, seq_len: int = 2048, precision: st
     return Plan(model=shape, setup=setup, gpu=spec.name if not gpu_memory_bytes or gpu else "custom",
                 gpu_memory_bytes=mem, gpus_per_node=gpus_per_node, nodes=nodes, estimates=estimates,
                 recommended=rec.strategy if rec else None, recommended_offload=bool(rec and rec.offload),
-                reason=reason, notes=notes)
+                reason=reason, notes=notes, mesh=sizes)
 
 
 def choose_strategy(model, **kwargs) -> tuple[str, str]:

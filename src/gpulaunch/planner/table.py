@@ -17,6 +17,11 @@ def render(p) -> str:
         f"setup   micro-batch {s.micro_batch_size} x seq {s.seq_len}, {s.precision}, {s.optimizer}"
         f", activation checkpointing {'on' if s.activation_checkpointing else 'off'}",
         f"machine {p.nodes} node(s) x {p.gpus_per_node} {p.gpu} ({p.gpu_memory_bytes / GiB:.1f} GiB each)",
+    ]
+    if p.mesh is not None:
+        lines.append("mesh    " + ", ".join(f"{k} {v}" for k, v in p.mesh.items())
+                     + (" (fsdp with replicate > 1 is HSDP)" if p.mesh["replicate"] > 1 else ""))
+    lines += [
         "",
         f"{'technique':15s} {'params':>7s} {'grads':>7s} {'optim':>7s} {'activ':>7s} {'comm':>7s} {'other':>7s}"
         f" {'peak':>7s} {'on GPU':>7s}  {'fits':4s} {'rel.time':>8s}  peak during",

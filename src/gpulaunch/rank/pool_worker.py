@@ -5,10 +5,10 @@ pool (``keep_alive=``), so a later call pays no process start, no ``import torch
 context and no NCCL communicator set-up:
 
     start:     import torch; read requests from stdin (one JSON line per call)
-    each call: {"run_dir", "env"} -> output to that run's attempt0/rank<r>.log, RankInfo written,
-               the shipped function called, its result or exception written exactly as
-               ``worker.py`` writes them (the caller reads them with ``caller.collect``),
-               then "done" on the reply pipe, then (once idle) gc + ``empty_cache()``
+    each call: {"run_dir", "attempt", "env"} -> output to that run's attempt<k>/rank<r>.log,
+               then the rank body (``body.py``, the one a cold rank runs: info, stacks,
+               watchdog, result or error, post-mortem, pdb with ``debug=True``), then "done"
+               on the reply pipe, then (once idle) gc + ``empty_cache()``
     end:       stdin EOF or the caller's pid gone -> kill our own process group at once
 
 The process group is created by the first call's function (``rt.init()``, as in a cold run) and
@@ -31,20 +31,12 @@ import queue
 import signal
 import sys
 import threading
-import time
-import traceback
 
-from ..common.payload import exception_record, load_call
-from ..common.records import RankInfo
-from ..common.rundir import RunDir, hostname, write_json_atomic
-from . import results, torchrun_env
-from .worker import (
-    COLLATERAL_PATTERNS,
-    _cuda_memory_report,
-    _pickle,
-    _safe_str,
-    _write_bytes_atomic,
-)
+from ..common import private
+from ..common.payload import load_call
+from ..common.rundir import RunDir, hostname
+from . import body
+from . import state as rank_state
 
 REPLY_FD_ENV = "GPULAUNCH_POOL_REPLY_FD"
 TIDY_AFTER_S = 0.05      # idle this long after a call: gc + empty_cache
@@ -111,42 +103,29 @@ def _apply_env(env: dict[str, str]) -> None:
     os.environ.update(keep)
 
 
-def _user_traceback(exc: BaseException) -> str:
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
-
-
-def serve_call(request: dict, rank: int, host: str) -> None:
-    """Run one call in its run directory; record its result or exception like ``worker.py``."""
+def serve_call(request: dict, rank: int, host: str) -> str:
+    """Run one call in its run directory through the rank body (``body.py``), exactly as a
+    cold rank runs it; only the output redirection is ours (the process outlives the call)."""
     run = RunDir(request["run_dir"])
+    attempt = int(request.get("attempt", 0))
     _apply_env(request.get("env") or {})
+    os.environ["TORCHELASTIC_RESTART_COUNT"] = str(attempt)
     if request.get("cwd"):
         os.chdir(request["cwd"])     # a previous call's os.chdir must not leak into this one
-    run.attempt_dir(0).mkdir(exist_ok=True)
-    log = os.open(run.rank_file(0, rank, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+    private.mkdir(run.attempt_dir(attempt))
+    log = os.open(run.rank_file(attempt, rank, "log"), os.O_WRONLY | os.O_CREAT | os.O_APPEND,
+                  0o600)
     saved = os.dup(1)
     os.dup2(log, 1)
     os.dup2(log, 2)
     os.close(log)
-    torchrun_env.apply(run, 0, rank)   # as a cold rank starts: own torch seed, stderr marked...
-    stacks = open(run.rank_file(0, rank, "stacks"), "w")
-    faulthandler.register(signal.SIGUSR1, file=stacks, all_threads=True)
-    write_json_atomic(run.rank_file(0, rank, "info.json"), RankInfo(
-        rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(),
-        host=host, attempt=0, started=time.time(), node_rank=0).to_data())
-    watchdog = None
-    hang_timeout = float(os.environ.get("GPULAUNCH_HANG_TIMEOUT") or 0)
-    if hang_timeout > 0:
-        from .watchdog import StallWatchdog
-        watchdog = StallWatchdog(hang_timeout, run.attempt_dir(0), rank)
-        watchdog.start()
+    dropped = request.get("dropped")
+    if dropped:                      # a new pool after one that ended: its rt.state is gone
+        rank_state.RANK_STATE.mark_dropped(dropped.get("keys") or {}, dropped.get("why", ""))
+    files = body.RankFiles(run, attempt, rank, host)
     try:
-        _call_and_record(run, rank, host)
+        body.run_call(files, host, lambda: _load_and_call(run, attempt, rank))
     finally:
-        if watchdog is not None:
-            watchdog.stop()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -155,39 +134,17 @@ def serve_call(request: dict, rank: int, host: str) -> None:
         os.dup2(saved, 1)
         os.dup2(saved, 2)
         os.close(saved)
-        faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)
-        stacks.close()
+        files.close()
+    try:
+        return run.launch().label
+    except Exception:  # noqa: BLE001 - an unreadable record: the call is named by its run
+        return run.run_id
 
 
-def _call_and_record(run: RunDir, rank: int, host: str) -> None:
-    result_file, error_file = run.rank_file(0, rank, "result.pkl"), run.rank_file(0, rank,
-                                                                                    "error.pkl")
-    try:
-        func, args, kwargs = load_call(run.payload)
-        result = func(*args, **kwargs)
-        del func, args, kwargs
-    except BaseException as e:  # noqa: BLE001 - everything is reported; the pool goes on
-        code = None
-        if isinstance(e, SystemExit):
-            code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-            if code == 0:
-                results.write(result_file, None)
-                return
-        tb = _user_traceback(e)
-        sys.stderr.write(tb)
-        record = exception_record(e, rank=rank, host=host, tb=tb, time=time.time(),
-                                  exit_code=code, extra=_cuda_memory_report(e),
-                                  collateral=any(p in _safe_str(e) for p in COLLATERAL_PATTERNS))
-        _write_bytes_atomic(error_file, _pickle(record))
-        return
-    try:
-        results.write(result_file, result)
-    except Exception as e:  # noqa: BLE001 - an unpicklable return value is this rank's failure
-        err = results.unpicklable_error(rank, result, e)
-        tb = "".join(traceback.format_exception(type(err), err, None))
-        sys.stderr.write(tb)
-        _write_bytes_atomic(error_file, _pickle(exception_record(
-            err, rank=rank, host=host, tb=tb, time=time.time())))
+def _load_and_call(run: RunDir, attempt: int, rank: int):
+    func, args, kwargs = load_call(run.payload)
+    run.mark_loaded(attempt, rank)
+    return func(*args, **kwargs)
 
 
 def _tidy() -> None:
@@ -218,14 +175,18 @@ def main() -> None:
     host = hostname()
     os.write(reply, b"ready\n")
     pending = None
+    owners: dict[str, str] = {}
     while True:
         request = pending if pending is not None else requests.get()
         pending = None
-        serve_call(request, rank, host)
+        label = serve_call(request, rank, host)
+        # which call set each rt.state key: told to the caller, so that the ranks of a pool
+        # started after this one ends can name the call to re-run (StateDroppedError)
+        owners = rank_state.owners(owners, f"{label}.distributed(...)")
         # "done" first, then tidy only once no call is waiting: gc of a process with torch
         # imported takes 0.1-0.3 s on a busy 2-core machine, which would otherwise delay a
         # call that comes right after this one (Python's own gc thresholds still apply).
-        os.write(reply, f"done {request.get('seq', 0)}\n".encode())
+        os.write(reply, f"done {request.get('seq', 0)} {json.dumps(owners)}\n".encode())
         try:
             pending = requests.get(timeout=TIDY_AFTER_S)
         except queue.Empty:

@@ -87,8 +87,10 @@ class _MarkedStderr(io.RawIOBase):
 
 
 def mark_stderr() -> None:
-    if isinstance(getattr(sys.stderr, "buffer", None), _MarkedStderr):
-        return                      # a warm rank's next call: already marked
+    marked = getattr(sys.stderr, "buffer", None)
+    if isinstance(marked, _MarkedStderr):
+        marked._line_start = True   # a warm rank's next call: a new log, a new line
+        return
     stream = io.TextIOWrapper(_MarkedStderr(2), encoding=getattr(sys.stderr, "encoding", None)
                               or "utf-8", errors="backslashreplace", write_through=True)
     sys.stderr = sys.__stderr__ = stream

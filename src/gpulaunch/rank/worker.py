@@ -1,8 +1,10 @@
-"""The entry point every rank runs: ``python -m gpulaunch.rank.worker RUN_DIR``.
+"""The entry point of a cold rank: ``python -m gpulaunch.rank.worker RUN_DIR``.
 
-It loads the function and arguments, runs them, and writes the return value or the exception
-(with its full traceback) into the run directory. It knows nothing about which backend started
-it: all it reads is the torchrun environment (RANK, LOCAL_RANK, ...) and GPULAUNCH_* variables.
+It loads the function and arguments (or a script, a module, a command) and runs them through
+the rank body (``body.py``, shared with the warm pool's ``pool_worker.py``), which writes the
+return value or the exception (with its full traceback) into the run directory. It knows
+nothing about which backend started it: all it reads is the torchrun environment (RANK,
+LOCAL_RANK, ...) and GPULAUNCH_* variables.
 
 It also installs the rank's safety nets before any user code runs:
   * the parent-death signal, so a rank never outlives its agent;
@@ -23,55 +25,12 @@ import json
 import os
 import signal
 import sys
-import time
 import traceback
-from pathlib import Path
 
 from ..common import constants, procutil
-from ..common.payload import exception_record
-from ..common.records import RankInfo
 from ..common.redact import ENTRY_ARGV_ENV
-from ..common.rundir import RunDir, hostname, write_json_atomic
-from . import results, torchrun_env
-
-COLLATERAL_PATTERNS = (
-    "Connection closed by peer", "Connection reset by peer", "Broken pipe",
-    "NCCL communicator was aborted", "ProcessGroupNCCL is aborted", "DistNetworkError",
-    "recvValue failed", "Socket Timeout", "Connection refused",
-)
-
-
-def _write_bytes_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
-
-
-def _write_elastic_error_file(exc: BaseException, tb: str) -> None:
-    """torchelastic's own error-file format, so its ProcessFailure shows message and time."""
-    path = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not path:
-        return
-    data = {"message": {"message": f"{type(exc).__name__}: {_safe_str(exc)}",
-                        "extraInfo": {"py_callstack": tb, "timestamp": str(int(time.time()))}}}
-    try:
-        with open(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:
-            json.dump(data, f)
-    except OSError:
-        pass
-
-
-def _cuda_memory_report(exc: BaseException) -> str:
-    torch = sys.modules.get("torch")
-    if torch is None or "out of memory" not in _safe_str(exc).lower():
-        return ""
-    try:
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
-            return "CUDA memory summary at the time of the error:\n" + torch.cuda.memory_summary()
-    except Exception:
-        pass
-    return ""
+from ..common.rundir import RunDir, hostname
+from . import body
 
 
 def _shutdown_process_group() -> None:
@@ -199,89 +158,20 @@ def main(argv: list[str]) -> None:
 
     rank = int(os.environ.get("RANK", "0"))
     attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    torchrun_env.apply(run, attempt, rank)   # own torch seed, stderr marked, error file, title
     host = hostname()
     for suffix in ("log", "stderr.log"):   # opened for us by torchelastic, with umask modes
         try:
             os.chmod(run.rank_file(attempt, rank, suffix), 0o600)
         except OSError:
             pass
-    stacks_file = open(os.open(run.rank_file(attempt, rank, "stacks"),
-                               os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w")
     faulthandler.enable(file=sys.stderr, all_threads=True)
-    faulthandler.register(signal.SIGUSR1, file=stacks_file, all_threads=True)
-    write_json_atomic(run.rank_file(attempt, rank, "info.json"), RankInfo(
-        rank=rank, local_rank=int(os.environ.get("LOCAL_RANK", "0")), pid=os.getpid(),
-        host=host, attempt=attempt, started=time.time(),
-        node_rank=int(os.environ.get("NODE_RANK", "0"))).to_data())
-
-    watchdog = None
-    hang_timeout = float(os.environ.get("GPULAUNCH_HANG_TIMEOUT") or 0)
-    if hang_timeout > 0:
-        from .watchdog import StallWatchdog
-        watchdog = StallWatchdog(hang_timeout, run.attempt_dir(attempt), rank)
-        watchdog.start()
-
+    files = body.RankFiles(run, attempt, rank, host,
+                           node_rank=int(os.environ.get("NODE_RANK", "0")))
     try:
         kind = run.launch().entry.kind
     except Exception:  # noqa: BLE001 - _entry reports an unreadable record
         kind = "function"
-    try:
-        result = _entry(run, attempt, rank)()
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-        if code == 0 and kind != "function":
-            result = None        # a script's sys.exit(0) is its success
-        else:
-            # a function that calls sys.exit(0) did not return: a failure that says so
-            caught = time.time()
-            tb = _user_traceback(e)
-            sys.stderr.write(tb)
-            record = exception_record(e, rank=rank, host=host, tb=tb, exit_code=code,
-                                      time=caught)
-            _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
-            _write_elastic_error_file(e, tb)
-            _finish(code or 1)
-            return
-    except BaseException as e:  # noqa: BLE001 - everything must be reported
-        caught = time.time()      # stamped before the slow work (traceback, memory, pickling)
-        tb = _user_traceback(e)
-        sys.stderr.write(tb)
-        from . import debugger, postmortem
-        local_vars = postmortem.save(e, run.rank_file(attempt, rank, "locals.json"))
-        extra = "\n".join(x for x in (_cuda_memory_report(e), local_vars) if x)
-        record = exception_record(e, rank=rank, host=host, tb=tb, time=caught, extra=extra,
-                                  collateral=any(p in _safe_str(e) for p in COLLATERAL_PATTERNS))
-        if not isinstance(e, Exception):
-            # KeyboardInterrupt, GeneratorExit...: the RANK's, never re-raised in the caller as
-            # if the caller itself had been interrupted; it gets a RemoteError naming the rank
-            import dataclasses
-            record = dataclasses.replace(record, exception=None)
-        _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
-        _write_elastic_error_file(e, tb)
-        if debugger.enabled():    # the rank stays alive (its error recorded) while debugged
-            debugger.serve(e.__traceback__, run.rank_file(attempt, rank, "debug.json"),
-                           rank=rank, attach_hint=f"gpulaunch debug {run.run_id} --rank {rank}")
-        _finish(1)
-        return
-    finally:
-        if watchdog is not None:
-            watchdog.stop()
-
-    try:
-        # Tensors go to the CPU here, in the rank: the caller must never need CUDA (or the
-        # rank's device) to read a result; written straight to the file, not built in memory.
-        results.write(run.rank_file(attempt, rank, "result.pkl"), result)
-    except Exception as e:  # an unpicklable return value is this rank's failure
-        err = results.unpicklable_error(rank, result, e)
-        tb = "".join(traceback.format_exception(type(err), err, None))
-        sys.stderr.write(tb)
-        record = exception_record(err, rank=rank, host=host, tb=tb, time=time.time())
-        _write_bytes_atomic(run.rank_file(attempt, rank, "error.pkl"), _pickle(record))
-        _write_elastic_error_file(err, tb)
-        _finish(1)
-        return
-    _finish(0)
+    _finish(body.run_call(files, host, lambda: _entry(run, attempt, rank)(), kind=kind))
 
 
 def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
@@ -315,26 +205,6 @@ def _entry(run: RunDir, attempt: int = 0, rank: int = 0):
             os.execvp(argv[0], argv)  # keeps the pid and the parent-death signal
         return run_exec
     raise ValueError(f"unknown entry kind {kind!r}")
-
-
-def _user_traceback(exc: BaseException) -> str:
-    """The traceback without gpulaunch's own frames above the user's code."""
-    tb = exc.__traceback__
-    while tb is not None and tb.tb_frame.f_code.co_filename == __file__:
-        tb = tb.tb_next
-    return "".join(traceback.format_exception(type(exc), exc, tb or exc.__traceback__))
-
-
-def _safe_str(e: BaseException) -> str:
-    try:
-        return str(e)
-    except Exception:  # noqa: BLE001
-        return ""
-
-
-def _pickle(obj) -> bytes:
-    import pickle
-    return pickle.dumps(obj, protocol=5)
 
 
 if __name__ == "__main__":

@@ -17,14 +17,17 @@ On by default when mlflow is importable; off with ``@distributed(..., tracking=F
   utilisation, memory, power, temperature through NVML) every 5 s;
 * at the end: per-rank logs and the status / error report as artifacts, ``metrics.png`` in the
   run directory, status FINISHED / FAILED / KILLED. The run id is ``RunHandle.mlflow_run_id``
-  and ``tracking.json`` in the run directory.
+  and ``tracking.json`` in the run directory. This end work runs in a background thread, after
+  the call has returned; ``gpulaunch.tracking.flush()`` waits for it (the interpreter's exit
+  does too).
 
 A broken or unreachable store costs one warning and the run's tracking, never the run.
 """
 
+from .callback import flush
 from .inrank import experiment_id, mlflow_logger, run_id, tracking_uri
 from .plots import plot_metrics
 from .settings import Tracking
 
 __all__ = ["Tracking", "run_id", "tracking_uri", "experiment_id", "mlflow_logger",
-           "plot_metrics"]
+           "plot_metrics", "flush"]

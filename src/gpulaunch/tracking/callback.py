@@ -6,6 +6,9 @@ ids through the launch record's ``extensions["tracking"]`` (hook: ``tracking.nod
 
 from __future__ import annotations
 
+import concurrent.futures
+import threading
+
 from ..caller.callbacks import LaunchContext, RunCallback
 from ..common.rundir import hostname
 from . import settings
@@ -59,8 +62,13 @@ class TrackingCallback(RunCallback):
             self.tracker.spec = run.spec
 
     def on_end(self, run, state) -> None:
+        """Off the call's path: the uploads, the plot and the final status go to one
+        background thread (in order, call after call); ``flush()`` and the interpreter's exit
+        wait for them."""
         if self.tracker is not None:
-            self.tracker.end(str(state), run)
+            with _LOCK:
+                _PENDING[:] = [f for f in _PENDING if not f.done()]
+                _PENDING.append(_ender().submit(self.tracker.end, str(state), run))
 
     def run_id(self) -> str | None:
         if self.tracker is None:
@@ -70,6 +78,29 @@ class TrackingCallback(RunCallback):
 
     def wait_ready(self):
         return self.tracker.wait_ready() if self.tracker is not None else None
+
+
+_LOCK = threading.Lock()
+_PENDING: list[concurrent.futures.Future] = []
+_EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
+
+
+def _ender() -> concurrent.futures.ThreadPoolExecutor:
+    # one worker: a run's end never overtakes the previous one's; its thread is joined at
+    # interpreter exit (concurrent.futures does that), so a script's last run is finished too
+    global _EXECUTOR
+    if _EXECUTOR is None:
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, "gpulaunch-mlflow-end")
+    return _EXECUTOR
+
+
+def flush(timeout: float | None = None) -> bool:
+    """Wait until every finished call's MLflow run is complete (logs uploaded, final status
+    set); True if none is left pending."""
+    with _LOCK:
+        pending = list(_PENDING)
+    done, not_done = concurrent.futures.wait(pending, timeout=timeout)
+    return not not_done
 
 
 def is_local_store(uri: str) -> bool:

@@ -12,9 +12,9 @@ Every MLflow call is guarded and time-bounded: a broken store costs a warning, n
 
 from __future__ import annotations
 
-import contextlib
 import getpass
 import importlib.metadata
+import logging
 import os
 import platform
 import sys
@@ -22,10 +22,10 @@ import threading
 import time
 from pathlib import Path
 
-from ..common import redact
+from ..common import private, redact
 from ..common.records import RunState
 from ..common.rundir import RunDir, hostname, read_json, write_json_atomic
-from . import settings
+from . import settings, store
 from .settings import Tracking
 
 TRACKING_JSON = "tracking.json"
@@ -135,9 +135,14 @@ class CallTracker:
             os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
             from mlflow.tracking import MlflowClient
             t = self.target
-            with _sqlite_create_lock(t.tracking_uri):
+            # MLflow's "Creating initial MLflow database tables..." INFO lines: not the user's
+            logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+            logging.getLogger("alembic").setLevel(logging.WARNING)
+            with store.sqlite_create_lock(t.tracking_uri):
                 client = MlflowClient(t.tracking_uri)
                 exp_id, exp_name = self._experiment(client)
+                if t.default_store:       # our sqlite file: owner-only, like the rest of home
+                    private.tighten(t.tracking_uri[len("sqlite:///"):])
             run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
                                     tags=self._tags())
             run_id = run.info.run_id
@@ -155,7 +160,8 @@ class CallTracker:
                     skip=LAYOUT_PARAMS if self._layout_pending else ()))
             except Exception as e:  # noqa: BLE001 - params are a nicety; the run is there
                 warn_once("logging launch parameters failed", f"{type(e).__name__}: {e}")
-            if not os.environ.get("GPULAUNCH_QUIET"):
+            if not os.environ.get("GPULAUNCH_QUIET") and store.announce(t.tracking_uri):
+                # once per store and process: one line per call is the run's own line
                 sys.stdout.write(f"gpulaunch: MLflow run {run_id} (experiment {exp_name!r}); "
                                  f"{info['ui']}\n")
                 sys.stdout.flush()
@@ -235,7 +241,7 @@ class CallTracker:
         s = self.spec
         gpu = getattr(s.gpu_type, "name", None) if s.gpu_type else None
         values = {"world_size": s.world_size, "nproc_per_node": s.nproc_per_node,
-                  "nnodes": s.nnodes, "device": s.device, "backend": s.backend,
+                  "nnodes": s.nnodes, "device": s.device, "backend": s.process_group_backend,
                   "gpu_type": gpu or ("cpu" if s.device == "cpu" else "unknown"),
                   "function": self.label, "entry": self.entry.kind,
                   "timeout": s.timeout, "max_restarts": s.max_restarts, "remote": s.remote,
@@ -270,6 +276,8 @@ class CallTracker:
         # The status on its own, after the uploads: slow artifacts never leave it RUNNING.
         _bounded(lambda: self._client.set_terminated(info["run_id"], status), self.timeout,
                  "setting the run's final status")
+        if self.target.default_store:     # MLflow made the artifact folders with the umask
+            store.tighten_artifacts(info)
         _merge_json(self.run.path / TRACKING_JSON, {"status": status,
                                                     "state": RunState(state).value,
                                                     "ended": time.time()})
@@ -334,25 +342,6 @@ class CallTracker:
                     continue
                 if path.suffix in (".log", ".stacks", ".json") and path.stat().st_size > 0:
                     client.log_artifact(run_id, str(path), f"logs/attempt{attempt}")
-
-
-@contextlib.contextmanager
-def _sqlite_create_lock(uri: str):
-    """Serialise first use of a sqlite store between processes: MLflow builds the schema on
-    first open, and concurrent launches on a new store otherwise fail in its migrations
-    ("duplicate column name") or stall."""
-    if not uri.startswith("sqlite:///"):
-        yield
-        return
-    import fcntl
-    path = Path(uri[len("sqlite:///"):] + ".lock")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "a") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _error_report(backend_run) -> str:

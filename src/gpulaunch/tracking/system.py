@@ -141,7 +141,7 @@ class SystemMetricsLogger:
     def _loop(self) -> None:
         try:
             sampler = NodeSampler(self.node_rank, nproc=self.nproc)
-            if sampler.gpu_error:
+            if sampler.gpu_error and os.path.exists("/dev/nvidiactl"):   # a GPU host: say why
                 self.log(f"no GPU system metrics ({sampler.gpu_error})")
             with self._lock:
                 self._sampler = sampler

@@ -35,25 +35,24 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
+from ...caller.failure_policy import FailurePolicy
 from ...common import constants, procutil, redact
 from ...common.records import (
     RECORD_VERSION,
-    AttemptRecord,
-    HangRecord,
     LaunchRecord,
     NodeStatus,
     RunState,
-    StuckReport,
 )
-from ...common.rundir import RunDir, read_json, write_json_atomic
+from ...common.rundir import RunDir, read_json
 from ...rank import worker
+from . import hang
 from . import peers as peer_watch
 from .elastic_compat import ElasticAgent, exits_from
 from .node_hooks import NodeHooks
+from .rank_env import rank_env
 from .rendezvous import BoundStaticRendezvous
 
 log = logging.getLogger("gpulaunch.agent")
-from ...rank.watchdog import DUMP_REQUEST  # noqa: E402 - ranks dump NCCL traces on it
 
 
 class RunDirLogs(LogsSpecs):
@@ -124,24 +123,13 @@ def _watch_hangs(run: RunDir, agent: ElasticAgent, status: StatusWriter, device:
         attempt = agent.attempt
         if attempt <= handled:
             continue
-        stuck = sorted(run.attempt_dir(attempt).glob("rank*.stuck"))
-        if not stuck:
+        report = hang.stuck_report(run, attempt)
+        if report is None:
             continue
         handled = attempt
-        report = StuckReport.from_data(read_json(stuck[0], {}) or {"rank": -1, "stuck_for": 0,
-                                                                   "since_unix": 0, "where": ""})
         pids = agent.current_pids()
-        if device == "cuda":
-            # Each rank's watchdog thread dumps its flight record (a Python thread: it runs
-            # while the main thread waits inside CUDA or NCCL, where a signal handler cannot).
-            (run.attempt_dir(attempt) / DUMP_REQUEST).touch()
-        procutil.kill_pids(pids, signal.SIGUSR1)      # faulthandler: dump every thread's stack
-        time.sleep(constants.STACK_DUMP_WAIT_S)
-        if device == "cuda":
-            _wait_for_traces(run, attempt, len(pids))
-        hang = HangRecord(detected_by=report.rank, attempt=attempt, stuck_for=report.stuck_for,
-                          where=report.where, time=time.time(), node_rank=status.status.node_rank)
-        write_json_atomic(run.hang_json, hang.to_data())
+        hang.record_hang(run, attempt, report, pids, device=device,
+                         node_rank=status.status.node_rank)
         status.update(hang=True)
         if nnodes > 1:
             stop_event.wait(constants.HANG_TEARDOWN_WAIT_S)
@@ -163,39 +151,10 @@ def _drop_payload_when_loaded(run: RunDir, agent: ElasticAgent, spec,
             return
 
 
-def _wait_for_traces(run: RunDir, attempt: int, ranks: int, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if len(list(run.attempt_dir(attempt).glob("rank*.nccl_trace.pkl"))) >= ranks:
-            return
-        time.sleep(0.1)
-
-
 def _worker_env(record: LaunchRecord, run: RunDir, node_rank: int, extra: dict) -> None:
     """Environment every rank inherits, on top of what torchelastic sets per rank."""
     spec, env = record.spec, os.environ
-    env["NODE_RANK"] = str(node_rank)          # Composer, Lightning and others read it
-    env.setdefault("REPLICA_RANK", "0")
-    env["PYTHONUNBUFFERED"] = "1"
-    env["GPULAUNCH_RUN_DIR"] = str(run.path)
-    env["GPULAUNCH_DEVICE"] = spec.device
-    env.pop("GPULAUNCH_HANG_TIMEOUT", None)    # a setting of this launch only (spec.env)
-    if spec.nproc_per_node > 1 and "OMP_NUM_THREADS" not in env:
-        env["OMP_NUM_THREADS"] = "1"              # what torchrun does; avoids oversubscription
-    if record.placement.nnodes == 1:
-        # Single host: collectives' sockets on loopback too (nothing listens publicly).
-        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-        if spec.device == "cuda":
-            env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-    if spec.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""          # CPU workers: never touch a GPU by accident
-    else:
-        # NCCL flight recorder: a record of the last collectives, dumped on a watchdog timeout
-        # (and by our hang watchdog, into attempt<k>/rank<r>.nccl_trace.pkl).
-        env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-        env.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")   # older torch's name
-        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-        env.setdefault("TORCH_NCCL_DEBUG_INFO_TEMP_FILE", str(run.path / "nccl_trace_rank_"))
+    rank_env(env, spec, run_dir=run.path, node_rank=node_rank, nnodes=record.placement.nnodes)
     env.update(extra)
     # launch.json holds env= names only and masked arguments; the caller sent the values in
     # our environment (redact.py), taken out here so no rank inherits the whole bundle
@@ -289,7 +248,8 @@ def main(argv: list[str] | None = None) -> int:
             port = _wait_for_port(Path(placement.master_port_file))
         rdzv = BoundStaticRendezvous(
             bind_host=placement.bind_host, port=port, connect_host=placement.master_addr,
-            node_rank=node_rank, nnodes=placement.nnodes, run_id=placement.rdzv_id or run.run_id)
+            node_rank=node_rank, nnodes=placement.nnodes, run_id=placement.rdzv_id or run.run_id,
+            join_timeout=spec.start_timeout)
         status.update(master_port=rdzv.port)
         start_method, why = choose_start_method(spec)
         status.update(start_method=start_method, start_method_reason=why)
@@ -320,9 +280,14 @@ def main(argv: list[str] | None = None) -> int:
             status.update(state=RunState.RUNNING, attempt=attempt, pids=pids,
                           forked_at=forked_at)
 
+        # torchelastic's loop restarts (the budget: spec.max_restarts); the history is the
+        # same FailurePolicy's as the pool's and Ray's
+        policy = FailurePolicy(spec.max_restarts)
+        policy.history = list(status.status.history)
+
         def on_restart(attempt, exits):
-            history = status.status.history + [AttemptRecord(attempt, time.time(), exits)]
-            status.update(state=RunState.RESTARTING, history=history)
+            policy.record(attempt, "", exits)
+            status.update(state=RunState.RESTARTING, history=list(policy.history))
 
         agent = ElasticAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                              shutdown_grace=spec.shutdown_grace,

@@ -24,173 +24,62 @@ What keeps the pool and what ends it:
 * ``gpulaunch.shutdown()``, ``gpulaunch pool close``, the caller's exit (atexit) or death
   (the ranks see their stdin pipe close, or their parent change) release everything.
 
-One pool per caller process, one call at a time on it. ``max_restarts`` does not combine with a
-pool (a restart would drop ``rt.state``): refused with a clear error.
+One pool per caller process, one call at a time on it. ``max_restarts`` restarts a failed call on
+new ranks (the failure policy of ``caller.failure_policy``, as a cold call and Ray do): the pool
+restarts cold, which drops ``rt.state``; the caller is told in one line, and the new ranks know
+the keys that went (``StateDroppedError`` names the call to re-run). The same holds for any
+call after a pool that ended.
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import dataclasses
-import os
-import signal
 import sys
-import threading
 import time
 
 from ...caller import collect
+from ...caller.controller import RunController
+from ...caller.failure_policy import Decision, FailurePolicy
 from ...caller.logstream import LogStreamer
-from ...caller.registry import ACTIVE
-from ...common import constants, procutil
+from ...caller.outcome import root_cause
+from ...common import private, procutil
 from ...common.records import (
-    HangRecord,
     LaunchRecord,
     NodeStatus,
     RankExit,
     RunState,
     StopReason,
-    StuckReport,
 )
-from ...common.rundir import RunDir, read_json, write_json_atomic
-from ...errors import ConfigurationError
+from ...common.rundir import RunDir
 from ...rank.pool_worker import IDENTITY as IDENTITY_ENV
+from . import hang
 from .node_hooks import NodeHooks
-from .pool_ranks import PoolKey, RankPool, changed_file, rank_env
+from .pool_ranks import RankPool, pool_rank_env
+from .pool_registry import POOLS, dropped_note
 from .run import child_env, describe_local
-from .standby import STANDBY
 
 POOL_PEER_GRACE_S = 3.0   # after one rank raised, how long its peers may take to come back
 
 
-def _say(line: str) -> None:
-    if not os.environ.get("GPULAUNCH_QUIET"):
-        sys.stdout.write(f"gpulaunch: pool: {line}\n")
-        sys.stdout.flush()
-
-
-class PoolRegistry:
-    """This caller's pool (at most one), handed to one call at a time."""
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self.pool: RankPool | None = None
-        self.last_end: str | None = None
-        self._timer: threading.Timer | None = None
-
-    def acquire(self, spec, env: dict[str, str]) -> tuple[RankPool, bool]:
-        """The pool for this call and whether it is warm; a new one when needed (saying why)."""
-        key = PoolKey.of(spec, env)
-        with self._lock:
-            self._cancel_timer()
-            pool, self.pool = self.pool, None
-            if pool is not None and getattr(pool, "busy", False):
-                self.pool = pool
-                raise ConfigurationError(
-                    "the warm pool (keep_alive=) is running another call of this process; wait "
-                    "for it (handle.result()) or launch this one with keep_alive=False.")
-            if pool is not None:
-                exited = pool.exited()
-                if pool.closed is not None:
-                    self.last_end = pool.closed
-                elif pool.record_removed():
-                    pool.close("closed by `gpulaunch pool close`")
-                    self.last_end = "it was closed by `gpulaunch pool close`"
-                elif exited:
-                    why = "; ".join(f"rank {r} {procutil.describe_exit(c)}"
-                                    for r, c in sorted(exited.items()))
-                    pool.close(why)
-                    self.last_end = f"{why} while it was idle"
-                elif changed_file(pool.user_files):
-                    why = f"{changed_file(pool.user_files)} changed since the pool started"
-                    pool.close(why)
-                    self.last_end = why
-                elif not key.differs(pool.key):
-                    self.pool = pool
-                    return pool, True
-                else:
-                    _say(f"the settings changed ({key.differs(pool.key)}): closing warm pool "
-                         f"{pool.pool_id} and starting a new one (cold)")
-                    pool.close("settings changed")
-                    self.last_end = None
-            if self.last_end:
-                _say(f"starting a new pool (cold): the previous one ended: {self.last_end}")
-                self.last_end = None
-            pool = RankPool(key, spec, env).start()
-            self.pool = pool
-            return pool, False
-
-    def teardown(self, pool: RankPool, why: str, grace: float = 0.0) -> None:
-        pool.close(why, grace)
-        with self._lock:
-            if self.pool is pool:
-                self.pool = None
-                self.last_end = why
-
-    def release(self, pool: RankPool, idle_s: float) -> None:
-        """The call is over and the pool usable: wait for the next call, at most ``idle_s``."""
-        with self._lock:
-            pool.busy = False
-            pool.last_used = time.time()
-            pool.write_record()
-            self._cancel_timer()
-            self._timer = threading.Timer(idle_s, self._expire, args=(pool, idle_s))
-            self._timer.daemon = True
-            self._timer.start()
-
-    def _expire(self, pool: RankPool, idle_s: float) -> None:
-        with self._lock:
-            if self.pool is not pool or getattr(pool, "busy", False):
-                return
-            self.pool = None
-            self.last_end = f"it was idle for {idle_s:g} s (keep_alive)"
-        pool.close(self.last_end)
-
-    def _cancel_timer(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-
-    def close(self, why: str = "closed") -> RankPool | None:
-        """Close this caller's pool now (between calls or during one: its ranks end)."""
-        with self._lock:
-            self._cancel_timer()
-            pool, self.pool = self.pool, None
-        if pool is not None:
-            pool.close(why)
-        return pool
-
-
-POOLS = PoolRegistry()
-atexit.register(POOLS.close, "the caller exited")
-
-
-def shutdown() -> None:
-    """Release everything this process keeps between calls: the warm pool's ranks (and the
-    GPUs they hold) and the standby agent."""
-    POOLS.close("gpulaunch.shutdown()")
-    STANDBY.close()
-
-
-class PoolRun:
-    """One call on the warm pool (``Run`` protocol)."""
+class PoolRun(RunController):
+    """One call on the warm pool (its lifecycle: ``RunController``)."""
 
     poll_interval = 0.05   # pause() wakes at once when a rank answers
 
     def __init__(self, record: LaunchRecord, run: RunDir, *, keep_alive: float,
                  callbacks=None, stream: bool = True, write=None):
-        self.record, self.spec, self.run, self.label = record, record.spec, run, record.label
+        super().__init__(record, run, callbacks=callbacks)
         self.keep_alive = float(keep_alive)
-        self.callbacks = callbacks
-        self.reason: StopReason | None = None
-        self.finished = False
         self.pool: RankPool | None = None
         self.warm = False
+        self.attempt = 0
+        self.policy = FailurePolicy(record.spec.max_restarts)   # restart or give up
+        self._env: dict[str, str] = {}
+        self._call_env: dict[str, str] = {}
         self.hooks: NodeHooks | None = None
-        self._lock = threading.RLock()
         self._done: set[int] = set()
         self._first_error_at: float | None = None
-        self._deadline: float | None = None
         self._status = NodeStatus()
         self._oom_start = collect.oom_kill_count()
         self.streamer = LogStreamer(show=self.spec.shows_rank, write=write) if stream else None
@@ -201,37 +90,30 @@ class PoolRun:
             return f"{what}; warm pool {self.pool.pool_id}, call {self.pool.calls}"
         return f"{what}; keep_alive: the ranks stay up for the next call"
 
-    def start(self) -> "PoolRun":
-        if self.spec.max_restarts:     # here, not earlier: start() failing ends the callbacks
-            raise ConfigurationError(
-                f"keep_alive= and max_restarts={self.spec.max_restarts} do not combine: a "
-                "restart would drop rt.state. Use one or the other.")
+    def _start(self) -> None:
         self.record = dataclasses.replace(self.record, started=time.time())
         self.run.write_launch(self.record)
         env = child_env()
         with self._hook_output():
             self.hooks = NodeHooks(self.record, self.run, 0)
-        call_env = {k: v for k, v in rank_env(env, self.spec, 0, 0, 0).items()
+        call_env = {k: v for k, v in pool_rank_env(env, self.spec, 0, 0, 0,
+                                                   run_dir=self.run.path).items()
                     if k not in IDENTITY_ENV}
-        call_env.pop("GPULAUNCH_HANG_TIMEOUT", None)     # a setting of one launch (spec.env)
         with self._hook_output():
             call_env.update(self.hooks.env())
         call_env.update(dict(self.spec.env))
-        call_env["GPULAUNCH_RUN_DIR"] = str(self.run.path)
-        self.run.attempt_dir(0).mkdir(exist_ok=True)
+        self._env, self._call_env = env, call_env
+        private.mkdir(self.run.attempt_dir(self.attempt))
         if not self._send(env, call_env):
-            return self
+            return
         self._update(state=RunState.RUNNING, pids=self.pool.pids, started=time.time(),
                      warm_start=self.warm, start_method="pool",
                      start_method_reason=f"keep_alive pool {self.pool.pool_id}")
         if self.streamer:
             for r in range(self.spec.world_size):
-                self.streamer.watch(r, self.run.rank_file(0, r, "log"))
+                self.streamer.watch(r, self.run.rank_file(self.attempt, r, "log"))
         with self._hook_output():
             self.hooks.on_ranks_started()
-        if self.spec.timeout is not None:
-            self._deadline = time.monotonic() + self.spec.timeout
-        return self
 
     def _send(self, env: dict[str, str], call_env: dict[str, str]) -> bool:
         """Hand the call to the pool's ranks. A warm pool whose ranks died since the last look
@@ -241,9 +123,12 @@ class PoolRun:
             self.pool, self.warm = POOLS.acquire(self.spec, env)
             self.pool.busy = True
             self.pool.calls += 1
+            request = {"run_dir": str(self.run.path), "seq": self.pool.calls,
+                       "attempt": self.attempt, "env": call_env, "cwd": self.pool.key.cwd}
+            if not self.warm and getattr(self.pool, "dropped", None):
+                request["dropped"] = self.pool.dropped
             try:
-                self.pool.send({"run_dir": str(self.run.path), "seq": self.pool.calls,
-                                "env": call_env, "cwd": self.pool.key.cwd})
+                self.pool.send(request)
                 return True
             except OSError as e:
                 why = f"a rank's request pipe closed ({e})"
@@ -256,7 +141,7 @@ class PoolRun:
     def _hook_output(self):
         """Node hooks' warnings go to the run's agent.log, where a cold run's agent puts them,
         not into the notebook on every call."""
-        with open(self.run.agent_log, "a") as f, contextlib.redirect_stderr(f):
+        with private.open_file(self.run.agent_log, "a") as f, contextlib.redirect_stderr(f):
             yield
 
     def _update(self, **kw) -> None:
@@ -264,36 +149,32 @@ class PoolRun:
         self.run.write_status(self._status)
 
     # ------------------------------------------------------------------ following
-    def poll(self) -> bool:
-        with self._lock:
-            if self.finished:
-                return True
-            if self.streamer:
-                self.streamer.pump()
-            self._done |= self.pool.replies()
-            n = self.spec.world_size
-            exited = {r: c for r, c in self.pool.exited().items() if r not in self._done}
-            errors = {r for r in self._done if self.run.rank_file(0, r, "error.pkl").exists()}
-            if exited:
-                why = "; ".join(f"rank {r} {procutil.describe_exit(c)}"
-                                for r, c in sorted(exited.items()))
-                self._end(RunState.FAILED, self._exits(errors, exited), teardown=why)
-            elif len(self._done) >= n:
-                self._end(RunState.FAILED if errors else RunState.SUCCEEDED, self._exits(errors))
-            elif errors:
-                now = time.monotonic()
-                self._first_error_at = self._first_error_at or now
-                if now - self._first_error_at > POOL_PEER_GRACE_S:
-                    self._end(RunState.FAILED, self._exits(errors), teardown=(
-                        f"rank {min(errors)} raised while its peers did not return (waiting in "
-                        "a collective it never joined)"))
-            elif self.spec.hang_timeout and self._check_hang():
-                pass
-            elif self._deadline is not None and time.monotonic() > self._deadline:
-                self.stop(StopReason.TIMEOUT)
-            return self.finished
-
-    step = poll
+    def _poll(self) -> None:
+        if self.streamer:
+            self.streamer.pump()
+        self._done |= self.pool.replies()
+        n = self.spec.world_size
+        exited = {r: c for r, c in self.pool.exited().items() if r not in self._done}
+        errors = {r for r in self._done
+                  if self.run.rank_file(self.attempt, r, "error.pkl").exists()}
+        if exited:
+            why = "; ".join(f"rank {r} {procutil.describe_exit(c)}"
+                            for r, c in sorted(exited.items()))
+            self._attempt_failed(self._exits(errors, exited), teardown=why)
+        elif len(self._done) >= n:
+            if errors:
+                self._attempt_failed(self._exits(errors))
+            else:
+                self._end(RunState.SUCCEEDED, {})
+        elif errors:
+            now = time.monotonic()
+            self._first_error_at = self._first_error_at or now
+            if now - self._first_error_at > POOL_PEER_GRACE_S:
+                self._attempt_failed(self._exits(errors), teardown=(
+                    f"rank {min(errors)} raised while its peers did not return (waiting in "
+                    "a collective it never joined)"))
+        elif self.spec.hang_timeout:
+            self._check_hang()
 
     def pause(self, seconds: float) -> None:
         if not self.finished and self.pool is not None and self.pool.closed is None:
@@ -311,40 +192,68 @@ class PoolRun:
     def _check_hang(self) -> bool:
         """A rank's watchdog reported itself stuck: every rank's stack, then teardown (what the
         node agent does for a cold run)."""
-        adir = self.run.attempt_dir(0)
-        stuck = sorted(adir.glob("rank*.stuck"))
-        if not stuck:
+        report = hang.stuck_report(self.run, self.attempt)
+        if report is None:
             return False
-        report = StuckReport.from_data(read_json(stuck[0], {}) or {
-            "rank": -1, "stuck_for": 0, "since_unix": 0, "where": ""})
-        pids = list(self.pool.pids.values())
-        if self.spec.device == "cuda":
-            (adir / "dump_request").touch()
-        procutil.kill_pids(pids, signal.SIGUSR1)
-        time.sleep(constants.STACK_DUMP_WAIT_S)
-        write_json_atomic(self.run.hang_json, HangRecord(
-            detected_by=report.rank, attempt=0, stuck_for=report.stuck_for, where=report.where,
-            time=time.time(), node_rank=0).to_data())
+        hang.record_hang(self.run, self.attempt, report, list(self.pool.pids.values()),
+                         device=self.spec.device)
         self._update(hang=True)
-        self._end(RunState.FAILED, {}, teardown=f"a hang (rank {report.rank}, hang_timeout)")
+        self._attempt_failed({}, teardown=f"a hang (rank {report.rank}, hang_timeout)")
         return True
 
-    def stop(self, reason: StopReason) -> None:
-        with self._lock:
-            if self.finished:
-                return
-            self.reason = self.reason or StopReason(reason)
-            why = ("the call ran past timeout=" if self.reason is StopReason.TIMEOUT
-                   else "the call was cancelled")
-            self._end(RunState.STOPPED, {}, teardown=why, grace=self.spec.shutdown_grace)
+    def _attempt_failed(self, exits: dict, *, teardown: str | None = None) -> None:
+        """This attempt failed: restart the call on a cold pool while the failure policy says
+        so (a restart drops rt.state; the caller is told in one line), else end the call."""
+        if self.policy.decide(self.attempt, stopping=self.reason is not None) \
+                is Decision.GIVE_UP:
+            self._end(RunState.FAILED, exits, teardown=teardown)
+            return
+        failed = self.attempt
+        cause = self._cause(exits, teardown)
+        POOLS.teardown(self.pool, teardown or f"attempt {failed} failed ({cause})")
+        self.policy.record(failed, cause, exits)
+        if self.run.hang_json.exists():      # the next attempt's hang, if any, is its own
+            self.run.hang_json.replace(self.run.attempt_dir(failed) / "hang.json")
+        self._update(state=RunState.RESTARTING, hang=False, history=list(self.policy.history))
+        line = (f"gpulaunch: pool: attempt {failed} failed ({cause}); restarting the call on "
+                f"new ranks (attempt {failed + 1} of {self.spec.max_restarts}): the pool "
+                f"restarted cold{dropped_note(POOLS.dropped) or ', rt.state starts empty'}\n")
+        if self.streamer:
+            self.streamer.pump(final=True)
+            self.streamer.write(line)
+        else:
+            sys.stdout.write(line)
+        self.attempt, self._first_error_at = failed + 1, None
+        self._done.clear()
+        self._call_env["TORCHELASTIC_RESTART_COUNT"] = str(self.attempt)
+        private.mkdir(self.run.attempt_dir(self.attempt))
+        if not self._send(self._env, self._call_env):
+            return
+        self._update(state=RunState.RUNNING, attempt=self.attempt, pids=self.pool.pids)
+        if self.streamer:
+            for r in range(self.spec.world_size):
+                self.streamer.watch(r, self.run.rank_file(self.attempt, r, "log"))
+
+    def _cause(self, exits: dict, why: str | None) -> str:
+        """The failed attempt's root cause in one line."""
+        hang = collect.hang_report(self.run, self.attempt, self.spec.world_size)
+        if hang is not None:
+            return f"hang: rank {hang.detected_by} made no progress for {hang.stuck_for:g} s"
+        failures = collect.rank_failures(self.run, self.attempt, exits)
+        if failures:
+            return root_cause(failures).summary()
+        return why or "a rank failed"
+
+    def _stop(self, reason: StopReason) -> None:
+        why = ("the call ran past timeout=" if reason is StopReason.TIMEOUT
+               else "the call was cancelled")
+        self._end(RunState.STOPPED, {}, teardown=why, grace=self.spec.shutdown_grace)
 
     def _end(self, state: RunState, exits: dict, *, teardown: str | None = None,
              grace: float = 0.0) -> None:
         if teardown is not None:
             POOLS.teardown(self.pool, teardown, grace)
         self._update(state=state, failures=exits, ended=time.time())
-        self.finished = True
-        ACTIVE.discard(self)
         if self.streamer:
             self.streamer.pump(final=True)
         if self.hooks is not None:
@@ -352,26 +261,17 @@ class PoolRun:
                 self.hooks.stop()
         if teardown is None:
             POOLS.release(self.pool, self.keep_alive)
-        if self.callbacks is not None:
-            self.callbacks.on_end(self, self.state)
+        self.ended()
 
     def rank_pids(self) -> list[int]:
         return sorted(self.pool.pids.values()) if self.pool else []
 
     # ------------------------------------------------------------------ results
-    @property
-    def state(self) -> RunState:
-        if not self.finished:
-            return RunState.RUNNING if self.pool is not None else RunState.PENDING
-        if self.reason is StopReason.TIMEOUT:
-            return RunState.TIMED_OUT
-        if self.reason is StopReason.CANCELLED:
-            return RunState.CANCELLED
-        return RunState.SUCCEEDED if self._status.state is RunState.SUCCEEDED \
-            else RunState.FAILED
+    def _final_state(self) -> RunState:
+        return self._status.state
 
     def outcome(self):
         return collect.collect(
-            self.run, state=self._status.state, world_size=self.spec.world_size, attempt=0,
+            self.run, state=self._status.state, world_size=self.spec.world_size, attempt=self.attempt,
             exits=self._status.failures, reason=self.reason, timeout=self.spec.timeout,
-            oom_kills_at_start=self._oom_start)
+            oom_kills_at_start=self._oom_start, history=self.policy.history)

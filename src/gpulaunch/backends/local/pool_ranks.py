@@ -30,10 +30,9 @@ import subprocess
 import sys
 import time
 
-from ...common import constants, procutil
+from ...common import constants, private, procutil
 from ...common.rundir import home, read_json, write_json_atomic
-
-PER_CALL_ENV = ("GPULAUNCH_HANG_TIMEOUT",)   # settings of one call, not of the pool
+from .rank_env import rank_env, torchrun_env
 
 
 def pools_root():
@@ -107,7 +106,7 @@ class PoolKey:
         return cls(
             world_size=spec.world_size, device=spec.device,
             gpu_type=spec.gpu_type.name if spec.gpu_type else None,
-            env=tuple((k, v) for k, v in spec.env if k not in PER_CALL_ENV),
+            env=tuple(spec.env),   # env= only: per-call settings (hang_timeout, debug) are not in it
             startup_env=tuple(sorted((k, v) for k, v in env.items()
                                      if k.startswith(constants.STARTUP_ENV_PREFIXES))),
             cwd=os.getcwd(), visible_devices=env.get("CUDA_VISIBLE_DEVICES"),
@@ -130,29 +129,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def rank_env(base: dict[str, str], spec, rank: int, port: int, reply_fd: int) -> dict[str, str]:
-    """A pool rank's environment: what the node agent gives a rank on one host (``agent.py``'s
-    ``_worker_env``, which lives in a module that imports torch) plus torchrun's variables."""
+def pool_rank_env(base: dict[str, str], spec, rank: int, port: int, reply_fd: int,
+                  run_dir=None) -> dict[str, str]:
+    """A pool rank's environment: the one every rank gets (``rank_env``, shared with the node
+    agent's cold ranks) plus torchrun's variables and the pool's reply pipe."""
     env = dict(base)
-    env.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "GROUP_RANK": "0",
-                "ROLE_RANK": str(rank), "WORLD_SIZE": str(spec.world_size),
-                "LOCAL_WORLD_SIZE": str(spec.world_size), "NODE_RANK": "0",
-                "REPLICA_RANK": "0", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-                "TORCHELASTIC_RESTART_COUNT": "0", "PYTHONUNBUFFERED": "1",
-                "GPULAUNCH_DEVICE": spec.device, "GPULAUNCH_POOL_REPLY_FD": str(reply_fd),
+    env.update(torchrun_env(rank, spec.world_size, port))
+    env.update({"GPULAUNCH_POOL_REPLY_FD": str(reply_fd),
                 "GPULAUNCH_POOL_CALLER_PID": str(os.getpid())})
-    if spec.world_size > 1:
-        env.setdefault("OMP_NUM_THREADS", "1")
-    env.setdefault("GLOO_SOCKET_IFNAME", "lo")
-    if spec.device == "cpu":
-        env["CUDA_VISIBLE_DEVICES"] = ""
-    else:
-        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
-        env.setdefault("TORCH_FR_BUFFER_SIZE", "2000")
-        env.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
-    for k, v in spec.env:
-        if k not in PER_CALL_ENV:
-            env[k] = v
+    rank_env(env, spec, run_dir=run_dir)
+    env.update(dict(spec.env))
     return env
 
 
@@ -173,18 +159,19 @@ class RankPool:
         self.user_files = user_module_files()
         self.busy = False
         self.closed: str | None = None
+        self.state_owners: dict[str, str] = {}    # rt.state key -> the call that set it
 
     def start(self) -> "RankPool":
-        self.dir.mkdir(parents=True, mode=0o700)
+        private.mkdir(self.dir)          # pools/ and pools/<id>/: owner-only
         port = _free_port()
         try:
             for r in range(self.spec.world_size):
                 read_end, write_end = os.pipe()
-                with open(self.dir / f"rank{r}.log", "wb") as log:
+                with private.open_file(self.dir / f"rank{r}.log", "wb") as log:
                     proc = subprocess.Popen(
                         [sys.executable, "-u", "-m", "gpulaunch.rank.pool_worker"],
                         stdin=subprocess.PIPE, stdout=log, stderr=subprocess.STDOUT,
-                        env=rank_env(self.base_env, self.spec, r, port, write_end),
+                        env=pool_rank_env(self.base_env, self.spec, r, port, write_end),
                         pass_fds=(write_end,), start_new_session=True)
                 os.close(write_end)
                 os.set_blocking(read_end, False)
@@ -262,6 +249,10 @@ class RankPool:
                     self.ready.add(r)
                 elif line.startswith(b"done"):
                     done.add(r)
+                    _, _, owners = line.decode(errors="replace").partition(" ")
+                    owners = owners.partition(" ")[2]
+                    if owners:
+                        self.state_owners.update(json.loads(owners))
         return done
 
     def close(self, why: str, grace: float = 0.0) -> None:

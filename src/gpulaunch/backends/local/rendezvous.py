@@ -28,17 +28,22 @@ from torch.distributed.elastic.rendezvous import (
 )
 
 from ...common.constants import RENDEZVOUS_TIMEOUT_S
+from . import rendezvous_wait
 
 
 class BoundStaticRendezvous(RendezvousHandler):
     def __init__(self, *, bind_host: str, port: int, node_rank: int, nnodes: int, run_id: str,
-                 connect_host: str | None = None, timeout: float = RENDEZVOUS_TIMEOUT_S):
+                 connect_host: str | None = None, timeout: float = RENDEZVOUS_TIMEOUT_S,
+                 join_timeout: float | None = None):
         self.bind_host = bind_host
         self.connect_host = connect_host or bind_host
         self.node_rank = node_rank
         self.nnodes = nnodes
         self.run_id = run_id
         self.timeout = datetime.timedelta(seconds=timeout)
+        # how long every node may take to join a round (start_timeout); then the missing
+        # nodes are named (rendezvous_wait)
+        self.join_timeout = join_timeout if join_timeout is not None else timeout
         self._listener: socket.socket | None = None
         self._store = None
         self._rank_store = None        # the current round's store for the ranks (node 0)
@@ -79,8 +84,8 @@ class BoundStaticRendezvous(RendezvousHandler):
             if self._listener is not None:
                 self._store = self._serve(self._listener, self.nnodes)
             else:
-                self._store = TCPStore(self.connect_host, self.port, self.nnodes, False,
-                                       self.timeout)
+                self._store = rendezvous_wait.connect(self.connect_host, self.port, self.nnodes,
+                                                      self.timeout, self.join_timeout)
         key = f"gpulaunch/rank_store_port/{self._round}"
         # Forking ranks while a store thread accepts a connection can deadlock a rank (see
         # GpulaunchAgent._fork_workers_behind_a_gate): node 0 forks only once every node's agent
@@ -89,7 +94,8 @@ class BoundStaticRendezvous(RendezvousHandler):
         # ``after_starting_ranks``, called by the agent around its start of the ranks).
         self._store.set(f"gpulaunch/joined/{self._round}/{self.node_rank}", "1")
         if self.node_rank == 0:
-            self._store.wait([f"gpulaunch/joined/{self._round}/{n}" for n in range(self.nnodes)])
+            rendezvous_wait.all_joined(self._store, self._round, self.nnodes, self.join_timeout,
+                                       f"{self.connect_host}:{self.port}")
             listener = self._listen(0)
             rank_store = self._serve(listener, None)
             # drop the previous round's store only now: the new port can never equal it

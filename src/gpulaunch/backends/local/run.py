@@ -14,13 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
 from ...caller import collect
+from ...caller.controller import RunController
 from ...caller.logstream import LogStreamer
-from ...caller.registry import ACTIVE
 from ...common import constants, procutil, redact
 from ...common.records import LaunchRecord, RunState, StopReason
 from ...common.rundir import RunDir
@@ -89,35 +88,27 @@ def describe_local(spec) -> str:
     return what
 
 
-class LocalRun:
-    """One run on this host."""
+class LocalRun(RunController):
+    """One run on this host: a node agent process (``agent.py``) that runs the ranks."""
 
     poll_interval = constants.POLL_LOCAL_S
 
     def __init__(self, record: LaunchRecord, run: RunDir, *, callbacks=None,
                  stream: bool = True, write=None, standby: bool = False):
-        self.record = record
-        self.spec = record.spec
-        self.run = run
-        self.label = record.label
-        self.callbacks = callbacks
+        super().__init__(record, run, callbacks=callbacks)
         # Use (and afterwards restart) a standby agent with torch imported (standby.py): for
         # callers that launch again and again, never for a node of a multi-node job.
         self.standby = standby and record.placement.nnodes == 1
-        self.reason: StopReason | None = None
         self.proc: subprocess.Popen | None = None
-        self.finished = False
-        self._lock = threading.RLock()
         self._attempt_seen = -1
-        self._deadline: float | None = None
         self._oom_start = collect.oom_kill_count()
         self.streamer = LogStreamer(show=self.spec.shows_rank, write=write) if stream else None
 
     def describe(self) -> str:
         return describe_local(self.spec)
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "LocalRun":
+    # ------------------------------------------------------------------ start, poll, stop
+    def _start(self) -> None:
         method = os.environ.get("GPULAUNCH_START_METHOD", "").strip().lower()
         if method not in ("", "fork", "spawn"):
             raise ConfigurationError(f"GPULAUNCH_START_METHOD={method!r}: use 'fork' (the default: "
@@ -136,27 +127,14 @@ class LocalRun:
                      "--node-rank", str(self.record.placement.node_rank), "--watch-stdin"],
                     stdin=subprocess.PIPE, stdout=agent_log, stderr=subprocess.STDOUT,
                     start_new_session=True, env=env, close_fds=True)
-        if self.spec.timeout is not None:
-            self._deadline = time.monotonic() + self.spec.timeout
-        return self
 
-    def poll(self) -> bool:
-        """Stream new log lines, enforce the timeout; True once the run has ended."""
-        with self._lock:
-            if self.finished:
-                return True
-            self._follow_attempts()
-            if self.streamer:
-                self.streamer.pump()
-            if self.proc.poll() is not None:
-                self._finalize()
-                return True
-            if self._deadline is not None and time.monotonic() > self._deadline:
-                self.stop(StopReason.TIMEOUT)
-                return True
-            return False
-
-    step = poll   # the Ray node actor's spelling
+    def _poll(self) -> None:
+        """Stream new log lines; the run is over when its agent exits."""
+        self._follow_attempts()
+        if self.streamer:
+            self.streamer.pump()
+        if self.proc.poll() is not None:
+            self._finalize()
 
     def pause(self, seconds: float) -> None:
         """Sleep between polls, but wake as soon as the agent exits (the end of every run)."""
@@ -165,28 +143,23 @@ class LocalRun:
         except subprocess.TimeoutExpired:
             pass
 
-    def stop(self, reason: StopReason) -> None:
+    def _stop(self, reason: StopReason) -> None:
         """Stop every process of the run: SIGTERM the agent (it stops the ranks with the
         grace period), then SIGKILL anything still there."""
-        with self._lock:
-            if self.finished:
-                return
-            self.reason = self.reason or StopReason(reason)
-            if self.proc is not None and self.proc.poll() is None:
-                try:
-                    os.kill(self.proc.pid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                try:
-                    self.proc.wait(self.spec.shutdown_grace + constants.AGENT_STOP_EXTRA_S)
-                except subprocess.TimeoutExpired:
-                    procutil.kill_process_groups([self.proc.pid], signal.SIGKILL)
-                    self.proc.wait()
-            self._finalize()
+        if self.proc is not None and self.proc.poll() is None:
+            try:
+                os.kill(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
+            try:
+                self.proc.wait(self.spec.shutdown_grace + constants.AGENT_STOP_EXTRA_S)
+            except subprocess.TimeoutExpired:
+                procutil.kill_process_groups([self.proc.pid], signal.SIGKILL)
+                self.proc.wait()
+        self._finalize()
 
     def _finalize(self) -> None:
-        self.finished = True
-        ACTIVE.discard(self)
+        """The agent ended: collect the last of its output, leave nothing behind, end."""
         if self.proc is not None:
             try:
                 self.proc.stdin.close()
@@ -197,8 +170,7 @@ class LocalRun:
             self.streamer.pump(final=True)
         self.kill_leftovers()
         self.run.drop_payload()   # an agent killed before it could: nothing reads it any more
-        if self.callbacks is not None:
-            self.callbacks.on_end(self, self.state)
+        self.ended()
         if self.standby:
             STANDBY.replenish(child_env())  # the next run's agent, importing torch meanwhile
 
@@ -232,16 +204,8 @@ class LocalRun:
                 self.streamer.watch(r, self.run.rank_file(latest, r, "log"))
 
     # ------------------------------------------------------------------ results
-    @property
-    def state(self) -> RunState:
-        if not self.finished:
-            return RunState.RUNNING if self.proc is not None else RunState.PENDING
-        if self.reason is StopReason.TIMEOUT:
-            return RunState.TIMED_OUT
-        if self.reason is StopReason.CANCELLED:
-            return RunState.CANCELLED
-        st = self.run.status(self.record.placement.node_rank).state
-        return RunState.SUCCEEDED if st is RunState.SUCCEEDED else RunState.FAILED
+    def _final_state(self) -> RunState:
+        return self.run.status(self.record.placement.node_rank).state
 
     def outcome(self):
         status = self.run.status(self.record.placement.node_rank)

@@ -8,13 +8,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import tempfile
-import threading
 import time
 
 import cloudpickle
 
+from ...caller.controller import RunController
 from ...caller.outcome import RankFailure, RunOutcome
-from ...caller.registry import ACTIVE
 from ...common.records import LaunchRecord, RankError, RunState, StopReason
 from ...common.rundir import RunDir
 from . import placement
@@ -34,29 +33,25 @@ def _run_in_allocation(payload: bytes, env: dict):
     return func(*args, **kwargs)
 
 
-class RayProgramRun:
-    """A ``ray_launch`` call (``Run`` protocol): one task on node 0 of a reserved allocation."""
+class RayProgramRun(RunController):
+    """A ``ray_launch`` call: one task on node 0 of a reserved allocation (its lifecycle:
+    ``RunController``)."""
 
     poll_interval = 0.5
 
     def __init__(self, record: LaunchRecord, run: RunDir, payload: bytes, *, cluster=None,
                  callbacks=None):
-        self.record, self.run, self.payload = record, run, payload
-        self.spec, self.label = record.spec, record.label
+        super().__init__(record, run, callbacks=callbacks)
+        self.payload = payload
         self.cluster = RayCluster.coerce(cluster)
-        self.callbacks = callbacks
-        self.finished = False
-        self.reason: StopReason | None = None
         self.layout = None
         self._ray = self._pg = self._ref = None
-        self._started = time.monotonic()
         self._result = None            # ("ok", value) | ("err", exception) once done
-        self._lock = threading.Lock()
 
     def describe(self) -> str:
         return f"{self.layout.describe()} on the Ray cluster (ray_launch: one driver task)"
 
-    def start(self) -> "RayProgramRun":
+    def _start(self) -> None:
         ray = self._ray = connect(self.cluster)
         layout = self.layout = placement.plan(
             placement.cluster_nodes(ray), gpus=self.spec.nproc_per_node,
@@ -90,36 +85,21 @@ class RayProgramRun:
         except BaseException:
             self._release()                # never leak the reservation
             raise
-        self._started = time.monotonic()
-        return self
 
-    def poll(self) -> bool:
-        with self._lock:
-            if self.finished:
-                return True
-            ready, _ = self._ray.wait([self._ref], timeout=0)
-            if ready:
-                try:
-                    self._end(("ok", self._ray.get(self._ref)))
-                except BaseException as e:  # noqa: BLE001 - the task's failure, as data
-                    self._end(("err", e))
-                return True
-            timeout = self.spec.timeout
-            if timeout is not None and time.monotonic() - self._started > timeout:
-                self.reason = StopReason.TIMEOUT
-                self._end(None)
-                return True
-            return False
+    def _poll(self) -> None:
+        ready, _ = self._ray.wait([self._ref], timeout=0)
+        if ready:
+            try:
+                self._end(("ok", self._ray.get(self._ref)))
+            except BaseException as e:  # noqa: BLE001 - the task's failure, as data
+                self._end(("err", e))
 
     def pause(self, seconds: float) -> None:
         if not self.finished:
             self._ray.wait([self._ref], timeout=seconds)
 
-    def stop(self, reason: StopReason) -> None:
-        with self._lock:
-            if not self.finished:
-                self.reason = StopReason(reason)
-                self._end(None)
+    def _stop(self, reason: StopReason) -> None:
+        self._end(None)
 
     def _end(self, result) -> None:
         self._result = result
@@ -129,10 +109,7 @@ class RayProgramRun:
             except Exception:  # noqa: BLE001
                 pass
         self._release()
-        self.finished = True
-        ACTIVE.discard(self)
-        if self.callbacks is not None:
-            self.callbacks.on_end(self, self.state)
+        self.ended()
 
     def _release(self) -> None:
         if self._pg is not None:
@@ -143,15 +120,9 @@ class RayProgramRun:
                 pass
             self._pg = None
 
-    @property
-    def state(self) -> RunState:
-        if not self.finished:
-            return RunState.RUNNING if self._ref is not None else RunState.PENDING
-        if self.reason is StopReason.TIMEOUT:
-            return RunState.TIMED_OUT
-        if self.reason is StopReason.CANCELLED:
-            return RunState.CANCELLED
-        return RunState.SUCCEEDED if self._result[0] == "ok" else RunState.FAILED
+    def _final_state(self) -> RunState:
+        return RunState.SUCCEEDED if self._result and self._result[0] == "ok" \
+            else RunState.FAILED
 
     def outcome(self) -> RunOutcome:
         base = dict(run_dir=str(self.run.path), world_size=self.spec.world_size,

@@ -1,4 +1,5 @@
-"""``ray_launch``: run a function once, as a Ray program, on an allocation of the cluster.
+"""``ray_launch`` (defined in ``gpulaunch.api``): run a function once, as a Ray program, on an
+allocation of the cluster; ``current_placement_group()`` inside it.
 
     from gpulaunch import ray_launch
 
@@ -22,38 +23,9 @@ tracking and ``submit()`` behave the same.
 
 from __future__ import annotations
 
-from ...api import DistributedFunction, decorator
+# The decorator itself is public API: defined in gpulaunch/api.py, named here as before.
+from ...api import RayLaunchFunction, ray_launch  # noqa: F401
 from .program_run import PG_ENV, RayProgramRun
-
-
-class RayLaunchFunction(DistributedFunction):
-    """``@ray_launch``: like ``DistributedFunction``, run once as a Ray program."""
-
-    _backend = "ray_program"
-    _kind = "@ray_launch"
-
-    def _launch(self, args, kwargs, *, stream: bool):
-        opts = self.options
-        if not opts.remote:
-            # Not remote: a private Ray instance on this host holds the allocation, sized to
-            # this host's GPUs (or 2 CPU slots without one).
-            from ...hardware.host import detect
-            host = detect()
-            gpus = opts.gpus or (len(host.gpus) if host.has_gpu else 2)
-            opts = opts.replace(gpus=gpus, cluster="local")
-        saved, self.options = self.options, opts
-        try:
-            return super()._launch(args, kwargs, stream=stream)
-        finally:
-            self.options = saved
-
-
-ray_launch = decorator(RayLaunchFunction)
-ray_launch.__name__ = "ray_launch"
-ray_launch.__doc__ = """Run a function once as a Ray program on ``gpus`` GPUs of a Ray cluster
-(see ``gpulaunch.backends.ray.ray_launch``). Same settings as ``@distributed`` (the
-``num_accelerators``/``accelerator_type`` spellings included); with ``remote=False`` and no
-``cluster``, a private Ray instance on this host holds the allocation."""
 
 
 def current_placement_group():

@@ -18,16 +18,16 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import threading
 import time
 
 from ... import errors
 from ...caller import collect
+from ...caller.controller import RunController
+from ...caller.failure_policy import Decision, FailurePolicy
 from ...caller.logstream import LogStreamer
 from ...caller.outcome import LostNode
-from ...caller.registry import ACTIVE
 from ...common import constants
-from ...common.records import AttemptRecord, JobStatus, LaunchRecord, RunState, StopReason
+from ...common.records import JobStatus, LaunchRecord, RunState, StopReason
 from ...common.rundir import RunDir, hostname, write_json_atomic
 from . import calls, placement, restarts
 from .cluster import RayCluster, connect, has_local_paths
@@ -36,39 +36,30 @@ from .node_agent import NodeAgent
 from .node_handle import NodeHandle, drain_all, poll_all, stop_all
 
 
-class RayRun:
-    """One job on a Ray cluster."""
+class RayRun(RunController):
+    """One job on a Ray cluster (its lifecycle: ``RunController``)."""
 
     poll_interval = constants.POLL_RAY_S
 
     def __init__(self, record: LaunchRecord, run: RunDir, payload: bytes, *, cluster=None,
                  callbacks=None, stream: bool = True, write=None):
-        self.record = record
-        self.spec = record.spec                 # replaced by the placed layout in start()
-        self.run = run
-        self.label = record.label
+        super().__init__(record, run, callbacks=callbacks)   # spec: the placed layout, later
         self.payload = payload
         self.cluster = RayCluster.coerce(cluster)
-        self.callbacks = callbacks
         self.stream, self.write = stream, write
         self.streamer: LogStreamer | None = None
         self.layout: placement.Layout | None = None
         self.nodes: list[NodeHandle] = []
         self.pg = None
-        self.reason: StopReason | None = None
-        self.finished = False
         self.conn: Connection | None = None
         self.master: dict | None = None
         self.timings: dict[str, float] = {}     # seconds since start() for each phase
         self._stacks_asked = False
         self.attempt = 0                        # the job's attempt (max_restarts: restarts.py)
-        self.history: list[AttemptRecord] = []  # every failed attempt, with its root cause
+        self.policy = FailurePolicy(record.spec.max_restarts)   # restart or give up
         self._payload_ref = None
         self._extensions: dict | None = None
-        debug = dict(record.spec.env).get("GPULAUNCH_DEBUG", "").lower() in ("1", "true", "yes")
-        self._errors = restarts.ErrorWatch(run, enabled=not debug)
-        self._deadline: float | None = None
-        self._lock = threading.RLock()
+        self._errors = restarts.ErrorWatch(run, enabled=not record.spec.debug)
         self._t0 = time.monotonic()
 
     def _mark(self, phase: str) -> None:
@@ -79,8 +70,8 @@ class RayRun:
         return (f"{self.layout.describe()} on the Ray cluster ({device}); rendezvous on node 0 "
                 f"at {self.master['addr']}")
 
-    # ------------------------------------------------------------------ lifecycle
-    def start(self) -> "RayRun":
+    # ------------------------------------------------------------------ start, poll, stop
+    def _start(self) -> None:
         self._t0 = time.monotonic()
         ray = connect(self.cluster)
         self.conn = Connection(ray)
@@ -116,10 +107,7 @@ class RayRun:
                                         show=self.spec.shows_rank, write=self.write)
             for r in range(self.spec.world_size):
                 self.streamer.watch(r, self.run.rank_file(0, r, "log"))
-        if self.spec.timeout is not None:
-            self._deadline = time.monotonic() + self.spec.timeout
         self._write_job(RunState.RUNNING)
-        return self
 
     def _start_nodes(self, ray) -> None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -166,66 +154,54 @@ class RayRun:
         self.master = {"addr": head["ip"], "port": port}
         self._write_record()
 
-    def poll(self) -> bool:
-        """Collect what the nodes have, stream logs, enforce the timeout; True once ended."""
-        with self._lock:
-            if self.finished:
-                return True
-            if not self.conn.alive():
-                self._finish(None)
-                return True
-            try:
-                poll_all(self.conn.ray, self.nodes, self.run, wait=constants.RAY_POLL_WAIT_S,
-                         lost_after=self.spec.node_lost_timeout)
-            except (Exception, SystemExit):
-                # ray.shutdown() in another thread while this poll waits in ray.wait(): Ray ends
-                # the call with an error, or with SystemExit from its core worker (seen in CI).
-                if not self.conn.ending():
-                    raise
-                self._finish(None)
-                return True
-            if "ranks_spawned" not in self.timings and all(
-                    n.status.state is RunState.RUNNING or n.status.state.terminal
-                    for n in self.nodes):
-                self._mark("ranks_spawned")
-            if self.streamer:
-                self.streamer.pump()
-            if not self._stacks_asked and any(n.status.hang for n in self.nodes):
-                self._dump_every_nodes_stacks()
-                return self._attempt_failed()
-            if self._lost() or any(n.failed for n in self.nodes):
-                return self._attempt_failed()
-            if self._errors.own_failure(self.attempt):   # a rank raised: stop every node now
-                self._mark("rank_error_seen")
-                return self._attempt_failed()
-            if all(n.done for n in self.nodes):
-                self._finish(None)
-                return True
-            if self._deadline is not None and time.monotonic() > self._deadline:
-                self._finish(StopReason.TIMEOUT)
-                return True
+    def _poll(self) -> None:
+        """Collect what the nodes have, stream logs; restart or end on a failed attempt."""
+        if not self.conn.alive():
+            self._finish(None)
+            return
+        try:
+            poll_all(self.conn.ray, self.nodes, self.run, wait=constants.RAY_POLL_WAIT_S,
+                     lost_after=self.spec.node_lost_timeout)
+        except (Exception, SystemExit):
+            # ray.shutdown() in another thread while this poll waits in ray.wait(): Ray ends
+            # the call with an error, or with SystemExit from its core worker (seen in CI).
+            if not self.conn.ending():
+                raise
+            self._finish(None)
+            return
+        if "ranks_spawned" not in self.timings and all(
+                n.status.state is RunState.RUNNING or n.status.state.terminal
+                for n in self.nodes):
+            self._mark("ranks_spawned")
+        if self.streamer:
+            self.streamer.pump()
+        if not self._stacks_asked and any(n.status.hang for n in self.nodes):
+            self._dump_every_nodes_stacks()
+            self._attempt_failed()
+        elif self._lost() or any(n.failed for n in self.nodes):
+            self._attempt_failed()
+        elif self._errors.own_failure(self.attempt):   # a rank raised: stop every node now
+            self._mark("rank_error_seen")
+            self._attempt_failed()
+        elif all(n.done for n in self.nodes):
+            self._finish(None)
+        else:
             self._write_job(RunState.RUNNING)
-            return False
 
-    def pause(self, seconds: float) -> None:
-        time.sleep(seconds)
-
-    def stop(self, reason: StopReason) -> None:
-        with self._lock:
-            if not self.finished:
-                self._finish(StopReason(reason))
+    def _stop(self, reason: StopReason) -> None:
+        self._finish(reason)
 
     def _attempt_failed(self) -> bool:
         """This attempt failed on some node: restart the whole job while restarts are left
         (``restarts``), else end it. True once the run has ended."""
-        if self.attempt >= self.spec.max_restarts or self.reason is not None:
+        if self.policy.decide(self.attempt, stopping=self.reason is not None) is Decision.GIVE_UP:
             self._finish(None)
             return True
         self._stop_nodes()               # every node's ranks stopped, their last files here
         cause = restarts.attempt_cause(self.run, self.nodes, self.attempt,
                                        self.spec.world_size, self.spec.nproc_per_node)
         exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
-        self.history.append(AttemptRecord(self.attempt, time.time(), exits, cause))
+        self.policy.record(self.attempt, cause, exits)
         self._write_job(RunState.RESTARTING)
         if self.streamer:
             self.streamer.pump(final=True)
@@ -244,8 +220,7 @@ class RayRun:
             if not self.conn.ending():
                 if self.nodes is not failed_nodes:
                     self._kill_actors()
-                self.history.append(AttemptRecord(failed + 1, time.time(), {},
-                                                  f"could not start on the cluster: {e}"))
+                self.policy.record(failed + 1, f"could not start on the cluster: {e}")
             # the job ends with the last attempt that ran, and its error
             self.attempt, self.nodes = failed, failed_nodes
             self._finish(None)
@@ -295,13 +270,10 @@ class RayRun:
         self._mark("torn_down")
         if self.streamer:
             self.streamer.pump(final=True)
-        self.finished = True
-        ACTIVE.discard(self)
         try:
             self._write_job(self._final_state())
         finally:
-            if self.callbacks is not None:
-                self.callbacks.on_end(self, self.state)
+            self.ended()
 
     def _stop_nodes(self) -> None:
         """Stop every node still running, then collect its last files (logs, errors)."""
@@ -345,7 +317,7 @@ class RayRun:
         job = JobStatus(state=state, nodes=[n.status for n in self.nodes], timings=self.timings,
                         lost_node=lost.node_rank if lost else None,
                         lost_why=lost.lost_why if lost else None, attempt=self.attempt,
-                        history=self.history)
+                        history=self.policy.history)
         write_json_atomic(self.run.job_json, job.to_data())
 
     def _final_state(self) -> RunState:
@@ -363,16 +335,6 @@ class RayRun:
         return RunState.STOPPED
 
     # ------------------------------------------------------------------ results
-    @property
-    def state(self) -> RunState:
-        if not self.finished:
-            return RunState.RUNNING if self.nodes else RunState.PENDING
-        if self.reason is StopReason.TIMEOUT:
-            return RunState.TIMED_OUT
-        if self.reason is StopReason.CANCELLED:
-            return RunState.CANCELLED
-        return RunState.SUCCEEDED if self._final_state() is RunState.SUCCEEDED \
-            else RunState.FAILED
 
     def outcome(self):
         exits = restarts.attempt_exits(self.run, self.nodes, self.attempt)
@@ -388,7 +350,7 @@ class RayRun:
             state = RunState.STOPPED
         return collect.collect(
             self.run, state=state, world_size=self.spec.world_size, attempt=self.attempt,
-            exits=exits, history=self.history,
+            exits=exits, history=self.policy.history,
             reason=self.reason, timeout=self.spec.timeout,
             agent_error=broken.status.error if broken else None,
             agent_traceback=broken.status.traceback if broken else "", lost=lost_node,

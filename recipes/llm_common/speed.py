@@ -1,0 +1,72 @@
+"""The speed settings of the TRL recipes, in one place: ``--speed auto`` (default) asks
+``gpulaunch.hf.speed_settings`` for this host and model (compile, Liger kernels, fused AdamW,
+fused LoRA, FlashAttention when installed, gradient checkpointing only when the planner says
+memory needs it, a tuned ZeRO-3 config); ``--speed off`` runs the seed's plain settings (the
+loss-check baseline). ``-x compile=true|false``, ``-x liger=...``, ``-x fused_lora=...`` force one
+choice; an explicit ``--gradient-checkpointing`` / ``--no-gradient-checkpointing`` wins over the
+planner.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+MODES = ("auto", "off")
+# SFTConfig fields taken from gpulaunch.hf.speed_settings (precision stays the recipe's --dtype)
+_TRAINER_FIELDS = ("tf32", "optim", "torch_compile", "use_liger_kernel", "padding_free")
+
+
+def model_config(opts, tokenizer):
+    """The HF config of the model the recipe will build (without building it)."""
+    from transformers import AutoConfig
+
+    from . import architectures
+    if opts.model:
+        return AutoConfig.from_pretrained(opts.model)
+    return architectures.build_config(opts.arch, full=opts.full, tokenizer=tokenizer,
+                                      layers=opts.layers)
+
+
+def settings(opts, device, *, technique: str, config, lora: bool, world_size: int):
+    """gpulaunch.hf.speed_settings for this run, or None with ``--speed off``."""
+    if opts.speed not in MODES:
+        raise SystemExit(f"--speed {opts.speed!r}: use one of {', '.join(MODES)}")
+    if opts.speed == "off":
+        return None
+    from gpulaunch.hf import speed_settings
+    ckpt = opts.gradient_checkpointing if "gradient_checkpointing" in opts.given else None
+    s = speed_settings(config, device=device, technique=technique, seq_len=opts.seq_len,
+                       micro_batch_size=opts.batch_size, lora_rank=opts.lora_r if lora else None,
+                       world_size=world_size, packed=opts.packed,
+                       compile=opts.extra.get("compile"), liger=opts.extra.get("liger"),
+                       gradient_checkpointing=ckpt)
+    if "fused_lora" in opts.extra:
+        s.fuse_lora = bool(opts.extra["fused_lora"]) and lora
+        s.reasons["fuse_lora"] = "asked for"
+    return s
+
+
+def apply(opts, s):
+    """(opts with the planner's gradient checkpointing, SFTConfig overrides, model kwargs)."""
+    if s is None:
+        return opts, None, {}
+    opts = dataclasses.replace(opts, gradient_checkpointing=s.trainer_args["gradient_checkpointing"])
+    return opts, {k: s.trainer_args[k] for k in _TRAINER_FIELDS if k in s.trainer_args}, dict(
+        s.model_kwargs)
+
+
+def fuse(trainer, s) -> dict | None:
+    """Fuse the LoRA linears of the trainer's (not yet wrapped) peft model when asked to."""
+    if s is None or not s.fuse_lora:
+        return None
+    from gpulaunch.hf import fuse_lora
+    report = fuse_lora(trainer.model)
+    return {"fused": report["fused"], "skipped": len(report["skipped"]), "mode": report["mode"]}
+
+
+def summary(s) -> dict | None:
+    """What the result records: every setting and why."""
+    if s is None:
+        return None
+    values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora}
+    return {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}

@@ -1,0 +1,180 @@
+"""The HF Trainer / TRL ``SFTConfig`` fields that make a fine-tune fast on this host, each with
+the reason it is (or is not) set.
+
+    from gpulaunch.hf import speed_settings
+    s = speed_settings(model.config, technique="ddp", seq_len=2048, micro_batch_size=4,
+                       lora_rank=8)
+    print(s)                                    # every choice and why
+    config = SFTConfig(output_dir="out", **s.trainer_args)
+    model = AutoModelForCausalLM.from_pretrained(path, **s.model_kwargs)
+    trainer = SFTTrainer(model=model, args=config, ...)
+    if s.fuse_lora:
+        fuse_lora(trainer.model)                # gpulaunch.hf.fuse_lora
+
+What it decides (GPU / CPU):
+
+- ``bf16`` and ``tf32``: bf16 weights and activations where the GPU has bf16; fp32 on CPU.
+- ``optim="adamw_torch_fused"``: one kernel for the whole AdamW step on a GPU.
+- ``torch_compile``: on a GPU, except under ZeRO-3 (DeepSpeed's parameter hooks break the graph
+  at every layer) and for MoE models (transformers loops over experts); ``compile=True`` forces
+  it. Off on CPU (compile time, little gain).
+- ``use_liger_kernel``: Liger's fused RMSNorm/RoPE/SwiGLU and chunked linear cross-entropy (no
+  [tokens x vocab] logits in memory), on a GPU when ``liger-kernel`` is installed and supports the
+  model type. Triton kernels: never on CPU.
+- ``attn_implementation`` (``model_kwargs``): FlashAttention-2 when ``flash_attn`` is installed;
+  else left to transformers, whose default is PyTorch SDPA where the model has it.
+- ``padding_free``: only with FlashAttention (variable-length rows in one flattened batch); with
+  SDPA a padding-free batch needs a block-diagonal mask, which leaves SDPA's flash kernel.
+  Packing (``packed=True``) is TRL's best-fit-decreasing packing, padding-free by itself.
+- ``gradient_checkpointing``: only when gpulaunch's planner says the step does not fit without
+  it on this GPU (it recomputes the forward: ~1/3 more arithmetic).
+- ``fuse_lora``: for LoRA (``lora_rank`` given), peft's adapters computed with the base matmul
+  (``gpulaunch.hf.fuse_lora``); exact, so on CPU too.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass, field
+
+__all__ = ["SpeedSettings", "speed_settings", "TECHNIQUES"]
+
+# the recipes' technique names -> the planner's strategy names
+TECHNIQUES = {"ddp": "ddp", "single": "ddp", "fsdp2": "fsdp", "fsdp": "fsdp", "zero3": "zero3",
+              "zero2": "zero2"}
+
+
+@dataclass
+class SpeedSettings:
+    trainer_args: dict               # TrainingArguments / SFTConfig fields
+    model_kwargs: dict               # from_pretrained / model-construction kwargs
+    fuse_lora: bool
+    reasons: dict = field(default_factory=dict)   # setting -> why
+
+    def __str__(self) -> str:
+        rows = [*self.trainer_args.items(), *self.model_kwargs.items(), ("fuse_lora", self.fuse_lora)]
+        width = max(len(k) for k, _ in rows)
+        return "\n".join(f"{k:<{width}}  {v!r:<22} {self.reasons.get(k, '')}" for k, v in rows)
+
+
+def _installed(module: str) -> bool:
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _liger_supports(model_type: str | None) -> bool:
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except Exception:  # noqa: BLE001 - not installed, or its import fails without a GPU stack
+        return False
+    return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
+
+
+def _config_dict(model_config) -> dict | None:
+    if model_config is None:
+        return None
+    if isinstance(model_config, dict):
+        return model_config
+    return model_config.to_dict()
+
+
+def _needs_checkpointing(cfg: dict, *, technique: str, seq_len: int, micro_batch_size: int,
+                         lora_rank, world_size: int, gpu_memory_bytes) -> tuple[bool, str]:
+    """Ask the planner whether the step fits on this GPU without activation checkpointing."""
+    from ..planner import plan
+    from ..planner.hf_config import from_dict
+    shape = from_dict(cfg)
+    strategy = TECHNIQUES[technique]
+    kw = dict(micro_batch_size=micro_batch_size, seq_len=seq_len, lora_rank=lora_rank,
+              strategies=[strategy], gpus_per_node=world_size, gpu_memory_bytes=gpu_memory_bytes)
+    plain = plan(shape, **kw).estimates[0]
+    gib = 2 ** 30
+    if plain.fits:
+        return False, (f"planner: {plain.peak_device / gib:.1f} GiB of "
+                       f"{(plain.peak_device + plain.headroom) / gib:.0f} GiB without it")
+    ckpt = plan(shape, activation_checkpointing=True, **kw).estimates[0]
+    return True, (f"planner: {plain.peak_device / gib:.1f} GiB without it > "
+                  f"{(plain.peak_device + plain.headroom) / gib:.0f} GiB; "
+                  f"{ckpt.peak_device / gib:.1f} GiB with it"
+                  + ("" if ckpt.fits else " (still over: lower the micro-batch)"))
+
+
+def speed_settings(model_config=None, *, device=None, technique: str = "ddp", seq_len: int = 2048,
+                   micro_batch_size: int = 1, lora_rank: int | None = None, world_size: int = 1,
+                   packed: bool = False, gpu_memory_bytes: int | None = None,
+                   compile: bool | None = None, liger: bool | None = None,
+                   gradient_checkpointing: bool | None = None) -> SpeedSettings:
+    """The fast settings for ``model_config`` (an HF config or its dict) trained with
+    ``technique`` (ddp, fsdp2, zero3) on ``device`` (default: cuda when available).
+    ``compile``/``liger``/``gradient_checkpointing``: force a choice instead of deciding it."""
+    import torch
+    if technique not in TECHNIQUES:
+        raise ValueError(f"speed_settings(technique={technique!r}): use one of {', '.join(TECHNIQUES)}")
+    device = torch.device(device if device is not None else
+                          ("cuda" if torch.cuda.is_available() else "cpu"))
+    gpu = device.type == "cuda"
+    cfg = _config_dict(model_config)
+    args, model_kwargs, why = {}, {}, {}
+
+    bf16 = gpu and torch.cuda.is_bf16_supported()
+    args["bf16"] = bf16
+    why["bf16"] = "GPU with bf16" if bf16 else ("GPU without bf16" if gpu else "CPU: fp32")
+    if gpu:
+        args["tf32"] = True
+        why["tf32"] = "any fp32 matmul left (fp32 adapters, the loss) on tensor cores"
+    args["optim"] = "adamw_torch_fused" if gpu else "adamw_torch"
+    why["optim"] = "one fused kernel for the AdamW step" if gpu else "CPU: the plain AdamW"
+
+    moe = bool((cfg or {}).get("num_local_experts") or (cfg or {}).get("num_experts"))
+    if compile is None:
+        compile = gpu and technique != "zero3" and not moe
+        why["torch_compile"] = ("ZeRO-3's parameter hooks break the graph at every layer"
+                                if gpu and technique == "zero3" else
+                                "MoE: transformers loops over experts (a graph per routing)"
+                                if gpu and moe else
+                                "GPU: fused kernels, fewer launches" if gpu else
+                                "CPU: compile time outweighs the gain")
+    else:
+        why["torch_compile"] = "asked for"
+    args["torch_compile"] = bool(compile)
+
+    model_type = (cfg or {}).get("model_type")
+    if liger is None:
+        liger = gpu and _liger_supports(model_type)
+        why["use_liger_kernel"] = (
+            "fused RMSNorm/RoPE/SwiGLU, chunked linear cross-entropy" if liger else
+            "CPU: Liger's kernels are Triton GPU kernels" if not gpu else
+            "liger-kernel not installed" if not _installed("liger_kernel") else
+            f"Liger has no kernels for model_type {model_type!r}")
+    else:
+        why["use_liger_kernel"] = "asked for"
+    args["use_liger_kernel"] = bool(liger)
+
+    flash = gpu and _installed("flash_attn")
+    if flash:
+        model_kwargs["attn_implementation"] = "flash_attention_2"
+        why["attn_implementation"] = "flash_attn installed"
+    # else transformers' default: SDPA where the model has it (its flash kernel for causal rows)
+    args["padding_free"] = bool(flash and not packed)
+    why["padding_free"] = ("variable-length rows in one batch (FlashAttention)" if args["padding_free"]
+                           else "TRL packing is padding-free already" if packed else
+                           "SDPA would need a block-diagonal mask (slower than padded rows)")
+
+    if gradient_checkpointing is not None:
+        ckpt, reason = bool(gradient_checkpointing), "asked for"
+    elif not gpu:
+        ckpt, reason = False, "CPU: memory is not the limit the planner models"
+    elif cfg is None:
+        ckpt, reason = False, "no model config to plan with"
+    else:
+        ckpt, reason = _needs_checkpointing(cfg, technique=technique, seq_len=seq_len,
+                                            micro_batch_size=micro_batch_size, lora_rank=lora_rank,
+                                            world_size=world_size, gpu_memory_bytes=gpu_memory_bytes)
+    args["gradient_checkpointing"] = ckpt
+    args["gradient_checkpointing_kwargs"] = {"use_reentrant": False} if ckpt else None
+    why["gradient_checkpointing"] = reason
+    fuse = lora_rank is not None
+    why["fuse_lora"] = ("peft's adapters in the base matmul (exact)" if fuse else "not LoRA")
+    return SpeedSettings(args, model_kwargs, fuse, why)

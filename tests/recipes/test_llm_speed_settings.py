@@ -1,0 +1,164 @@
+"""The speed settings of the LLM recipes, as choices (never as timings): the ZeRO-3 keys that
+made the seed's DeepSpeed dict slower than DeepSpeed's defaults, and gpulaunch.hf.speed_settings'
+decisions on CPU and (with the GPU facts given) on a GPU."""
+from __future__ import annotations
+
+import sys
+
+import pytest
+from conftest import ROOT
+
+sys.path.insert(0, str(ROOT / "recipes"))
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from transformers import LlamaConfig  # noqa: E402
+
+from gpulaunch.hf import speed_settings  # noqa: E402
+from gpulaunch.parallel.zero import deepspeed_config, zero_speed_settings  # noqa: E402
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256,
+                tie_word_embeddings=True)
+BLOCK_1B = 2048 * 64 * (2 * 32 + 2 * 8) + 3 * 2048 * 8192 + 2 * 2048     # 60.8 M
+
+
+# ------------------------------------------------------------------ ZeRO config
+def test_zero3_keys_are_pinned_to_deepspeeds_defaults_or_better():
+    z = deepspeed_config(3, mixed_precision="bf16", block_numel=BLOCK_1B)["zero_optimization"]
+    assert z["stage"] == 3
+    assert z["overlap_comm"] is True and z["contiguous_gradients"] is True
+    assert z["reduce_bucket_size"] == 500_000_000
+    # at least DeepSpeed's 5e7, and the next whole decoder layer
+    assert z["stage3_prefetch_bucket_size"] >= max(50_000_000, BLOCK_1B)
+    assert z["stage3_param_persistence_threshold"] == 100_000      # norms stay whole
+    assert z["stage3_max_live_parameters"] == z["stage3_max_reuse_distance"] == 1_000_000_000
+    assert z["stage3_gather_16bit_weights_on_model_save"] is True
+    assert not any(v == "auto" for v in z.values())
+
+
+def test_zero_settings_on_cpu_and_for_other_stages():
+    assert deepspeed_config(3, on_gpu=False)["zero_optimization"]["overlap_comm"] is False
+    z2 = deepspeed_config(2)["zero_optimization"]
+    assert z2["overlap_comm"] is True and z2["reduce_bucket_size"] == 500_000_000
+    assert "stage3_prefetch_bucket_size" not in z2
+    assert zero_speed_settings(1) == {}
+    # a user's override still wins (deep-merged last)
+    z = deepspeed_config(3, overrides={"zero_optimization": {"reduce_bucket_size": 7}})
+    assert z["zero_optimization"]["reduce_bucket_size"] == 7
+
+
+def _filled_by_hf(ds: dict) -> dict:
+    """The zero_optimization section after the HF Trainer fills its "auto" values for a 1B model
+    (transformers' HfTrainerDeepSpeedConfig.trainer_config_finalize, as TRL's SFTTrainer runs it)."""
+    from transformers import TrainingArguments
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    class Model:
+        config = LlamaConfig(**LLAMA_1B)
+
+    hf = HfTrainerDeepSpeedConfig(ds)
+    args = TrainingArguments(output_dir="/tmp/unused", use_cpu=True, report_to="none")
+    hf.trainer_config_process(args)
+    hf.trainer_config_finalize(args, Model(), num_training_steps=10)
+    return hf.config["zero_optimization"]
+
+
+def test_the_seed_dict_was_slow_and_the_tuned_one_is_not():
+    """Why the seed's ZeRO-3 dict lost to DeepSpeed's defaults: HF fills its "auto" buckets from
+    hidden_size (4.2 M / 3.8 M elements for 1B: the prefetch bucket is smaller than one MLP
+    weight) and its persistence threshold 0 partitions every norm weight."""
+    from llm_common import sft
+    seed = _filled_by_hf(sft.deepspeed_zero3(bf16=False))
+    assert seed["reduce_bucket_size"] == 2048 * 2048
+    assert seed["stage3_prefetch_bucket_size"] == int(0.9 * 2048 * 2048) < 2048 * 8192
+    assert seed["stage3_param_persistence_threshold"] == 0
+    block = sft.decoder_block_numel(LlamaConfig(**LLAMA_1B))
+    assert block == BLOCK_1B
+    tuned = _filled_by_hf(sft.deepspeed_zero3(bf16=False, tuned=True, block_numel=block,
+                                              hidden_size=2048))
+    assert tuned["reduce_bucket_size"] == 500_000_000
+    assert tuned["stage3_prefetch_bucket_size"] >= BLOCK_1B
+    # norm weights (2048) stay whole, the smallest matrix (k_proj, 1 M) is partitioned
+    assert 2048 < tuned["stage3_param_persistence_threshold"] == 20480 < 2048 * 512
+    assert tuned["overlap_comm"] is True
+    assert tuned["stage3_gather_16bit_weights_on_model_save"] is True
+    assert sft.decoder_block_numel({"hidden_size": 8, "num_local_experts": 4}) is None
+
+
+# ------------------------------------------------------------------ speed_settings
+def test_cpu_choices():
+    s = speed_settings(LlamaConfig(**LLAMA_1B), device="cpu", lora_rank=8)
+    a = s.trainer_args
+    assert a["bf16"] is False and a["optim"] == "adamw_torch"
+    assert a["torch_compile"] is False and a["use_liger_kernel"] is False
+    assert a["gradient_checkpointing"] is False and s.fuse_lora is True
+    assert "Triton" in s.reasons["use_liger_kernel"]
+    assert "fuse_lora" in str(s)
+    with pytest.raises(ValueError, match="technique"):
+        speed_settings(None, device="cpu", technique="tp")
+
+
+@pytest.fixture
+def as_if_gpu(monkeypatch):
+    """The GPU branch of the decisions, on a CPU: bf16 reported supported, memory given."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    return dict(device="cuda", gpu_memory_bytes=141 * 2**30)
+
+
+def test_gpu_choices_for_lora_on_an_h200(as_if_gpu):
+    s = speed_settings(LlamaConfig(**LLAMA_1B), technique="ddp", seq_len=2048,
+                       micro_batch_size=4, lora_rank=8, **as_if_gpu)
+    a = s.trainer_args
+    assert a["bf16"] is True and a["tf32"] is True and a["optim"] == "adamw_torch_fused"
+    assert a["torch_compile"] is True
+    assert a["use_liger_kernel"] is True                   # liger-kernel is installed here
+    assert a["gradient_checkpointing"] is False and "planner" in s.reasons["gradient_checkpointing"]
+    assert s.fuse_lora is True
+
+
+def test_planner_turns_checkpointing_on_only_when_memory_needs_it(as_if_gpu):
+    kw = dict(technique="ddp", seq_len=8192, micro_batch_size=16, **as_if_gpu)
+    kw["gpu_memory_bytes"] = 40 * 2**30
+    s = speed_settings(LlamaConfig(**LLAMA_1B), **kw)
+    assert s.trainer_args["gradient_checkpointing"] is True
+    assert s.trainer_args["gradient_checkpointing_kwargs"] == {"use_reentrant": False}
+    assert "without it >" in s.reasons["gradient_checkpointing"]
+    forced = speed_settings(LlamaConfig(**LLAMA_1B), gradient_checkpointing=False, **kw)
+    assert forced.trainer_args["gradient_checkpointing"] is False
+
+
+def test_compile_is_off_for_zero3_and_moe_unless_asked(as_if_gpu):
+    z = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", micro_batch_size=4, **as_if_gpu)
+    assert z.trainer_args["torch_compile"] is False and "ZeRO-3" in z.reasons["torch_compile"]
+    moe = {**LLAMA_1B, "model_type": "gpt_oss", "num_local_experts": 32}
+    m = speed_settings(moe, gradient_checkpointing=False, **as_if_gpu)
+    assert m.trainer_args["torch_compile"] is False
+    forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", compile=True,
+                            **as_if_gpu)
+    assert forced.trainer_args["torch_compile"] is True
+
+
+# ------------------------------------------------------------------ the recipes' wrapper
+def test_recipe_speed_modes():
+    from llm_common import options, speed
+    defaults = options.RecipeOptions(recipe="t", gradient_checkpointing=True, lora_r=8)
+    cfg = LlamaConfig(**LLAMA_1B)
+    off = options.parse(defaults, argv=["--speed", "off"])
+    assert speed.settings(off, torch.device("cpu"), technique="ddp", config=cfg, lora=True,
+                          world_size=1) is None
+    assert speed.apply(off, None) == (off, None, {})
+    auto = options.parse(defaults, argv=["-x", "fused_lora=false"])
+    s = speed.settings(auto, torch.device("cpu"), technique="ddp", config=cfg, lora=True,
+                       world_size=1)
+    opts, trainer_args, _ = speed.apply(auto, s)
+    assert opts.gradient_checkpointing is False        # the default gave way to the decision
+    assert trainer_args["optim"] == "adamw_torch" and s.fuse_lora is False
+    explicit = options.parse(defaults, argv=["--gradient-checkpointing"])
+    s = speed.settings(explicit, torch.device("cpu"), technique="ddp", config=cfg, lora=True,
+                       world_size=1)
+    assert speed.apply(explicit, s)[0].gradient_checkpointing is True
+    assert speed.summary(s)["gradient_checkpointing"]["why"] == "asked for"
+    with pytest.raises(SystemExit, match="--speed"):
+        speed.settings(options.parse(defaults, argv=["--speed", "max"]), torch.device("cpu"),
+                       technique="ddp", config=cfg, lora=True, world_size=1)
