@@ -11,20 +11,18 @@ Layout under a checkpoint root (a local path or an fsspec URL)::
       latest                   name of the newest complete checkpoint, rewritten last
 
 Atomicity: locally every rank writes into ``root/.tmp-step_...-<uuid>``; after a barrier rank 0
-writes ``COMPLETE``, renames the folder into place and rewrites ``latest`` (``os.replace``). To an
-object store the files go to local disk, are uploaded in the background, then ``COMPLETE`` is
-written (``_staging``). A crash mid-save leaves the previous checkpoint the newest loadable one.
+writes ``COMPLETE``, renames the folder into place and rewrites ``latest``. To an object store the
+files go to local disk, are uploaded in the background, then ``COMPLETE`` is written (``_staging``).
+A crash mid-save leaves the previous checkpoint the newest loadable one.
 
-DDP/FSDP checkpoints are sharded (no full-state-dict gather on any rank, so no host-RAM blow-up),
-keyed by the plain module's parameter names, so one saved under DDP loads under FSDP and vice versa,
-at another world size too.
+DDP/FSDP checkpoints are sharded (no full-state-dict gather on any rank), keyed by the plain
+module's parameter names: one saved under DDP loads under FSDP and vice versa, at another world size.
 """
 
 from __future__ import annotations
 
 import json
 import os
-import random
 import re
 import shutil
 import time
@@ -36,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..common import diskfull
-from . import _async_save, _data_position, _env, _staging
+from . import _async_save, _data_position, _env, _staging, rng
 from ._env import ParallelError, is_url
 from ._storage import (
     _dcp_reader,
@@ -123,30 +121,6 @@ def _broadcast(obj):
     box = [obj]
     dist.broadcast_object_list(box, src=0)
     return box[0]
-
-
-def _rng_state() -> dict:
-    st = {"torch": torch.get_rng_state(), "python": random.getstate()}
-    if torch.cuda.is_available():
-        st["cuda"] = torch.cuda.get_rng_state_all()
-    try:
-        import numpy as np
-
-        st["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    return st
-
-
-def _set_rng_state(st: dict) -> None:
-    torch.set_rng_state(st["torch"])
-    random.setstate(st["python"])
-    if "cuda" in st and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(st["cuda"])
-    if "numpy" in st:
-        import numpy as np
-
-        np.random.set_state(st["numpy"])
 
 
 # ---------------------------------------------------------------- what to save
@@ -281,7 +255,7 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
     with diskfull.named(root, f"saving checkpoint step {step}"):  # a full disk says so
         if not async_save or staged:
             _write_payload(p, write_dir)
-        _torch_save(_rng_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
+        _torch_save(rng.get_state(), _join(write_dir, f"rng_rank{r:05d}.pt"))
         _data_position.save(write_dir, r)   # registered loaders' positions (gpulaunch.data)
         if r == 0:
             state = {"step": step, "extra": extra, "micro": p._micro, "strategy": p.strategy}
@@ -372,9 +346,9 @@ def load_checkpoint(path, prepared, *, step: int | None = None, optimizer=None,
     _data_position.load(src, _env.rank())
     if loader is not None and ts.get("loader") is not None:
         loader.load_state_dict(ts["loader"])
-    rng = _join(src, f"rng_rank{_env.rank():05d}.pt")
-    if meta["world_size"] == _env.world_size() and _exists(rng):
-        _set_rng_state(_torch_load(rng))
+    rng_file = _join(src, f"rng_rank{_env.rank():05d}.pt")
+    if meta["world_size"] == _env.world_size() and _exists(rng_file):
+        rng.set_state(_torch_load(rng_file))
     done()                                   # a barrier (and the local copy removed)
     return {"step": ts["step"], "extra": ts.get("extra"), "path": ckpt}
 
