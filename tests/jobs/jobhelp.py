@@ -88,6 +88,9 @@ def job_pids(home: Path, job_id: str) -> set[int]:
         if not f.stem.isdigit():
             continue
         a = json.loads(f.read_text())
+        result = f.with_name(f"{f.stem}.result.json")     # the attempt's own, while it runs
+        if result.exists():
+            a = {**json.loads(result.read_text()), **a}
         if a.get("pid"):
             pids.add(a["pid"])
         if a.get("run_dir") and Path(a["run_dir"]).exists():
