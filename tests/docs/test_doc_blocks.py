@@ -19,10 +19,12 @@ from doc_blocks import Block, doc_files, extract, gpulaunch_argv, gpulaunch_impo
 
 BLOCKS = [b for f in doc_files(ROOT) for b in extract(f.read_text(), f.relative_to(ROOT))]
 TIMEOUT = 300
+SLOW_TIMEOUT = 1200       # a slow-marked block (a benchmark's smoke run) on a loaded 2-core host
 
 
 def _param(b: Block):
-    marks = [pytest.mark.slow] if "slow" in b.marks else []
+    marks = [pytest.mark.slow, pytest.mark.timeout(SLOW_TIMEOUT + 60)] if "slow" in b.marks \
+        else []
     return pytest.param(b, id=b.id, marks=marks)
 
 
@@ -47,7 +49,8 @@ def run_block(block: Block, tmp_path: Path) -> subprocess.CompletedProcess:
         cmd = [sys.executable, "-c", block.code]
     else:
         cmd = ["bash", "-e", "-o", "pipefail", "-c", block.code]
-    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=TIMEOUT)
+    return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=SLOW_TIMEOUT if "slow" in block.marks else TIMEOUT)
 
 
 def check_fragment(block: Block) -> list[str]:
