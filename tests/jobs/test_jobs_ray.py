@@ -138,7 +138,7 @@ def test_ray_job_installs_requirements_runs_and_logs(ray_head, tmp_path, gpulaun
     assert d["state"] == "SUCCEEDED", d
     assert d["attempts"][0]["ray_submission_id"] == f"{job_id}-a1"
     logs = gl("job", "logs", job_id).stdout
-    assert "[rank 1] rank 1 done installed by the Ray job" in logs, logs
+    assert "[node 0 rank 1] rank 1 done installed by the Ray job" in logs, logs
     assert gl("job", "logs", job_id, "--rank", "0").stdout.splitlines() == \
         ["rank 0 sum 3.0", "rank 0 done installed by the Ray job"]
 
