@@ -283,11 +283,11 @@ def main(argv=None) -> int:
     p.add_argument("--modes", default="ft,ckpt")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true",
-                   help="a smoke run: 15 s per mode, one kill at 6 s, no baseline")
+                   help="a smoke run: 10 s per mode, one kill at 4 s, no baseline")
     p.add_argument("--out", help="write the results as JSON here")
     a = p.parse_args(argv)
     if a.quick:
-        a.duration, a.fail_every, a.baseline, a.width, a.rows = 15.0, "6:6", 0.0, 64, 32
+        a.duration, a.fail_every, a.baseline, a.width, a.rows = 10.0, "4:4", 0.0, 64, 32
     lo, hi = (float(v) for v in a.fail_every.split(":"))
     out = {"command": "python bench/ft_goodput.py " + " ".join(argv or sys.argv[1:]),
            "machine": f"{platform.node()} {os.cpu_count()} cores, {platform.platform()}",

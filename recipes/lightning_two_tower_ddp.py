@@ -25,7 +25,9 @@
 # Data: a ratings CSV (`userId,movieId,rating`, like the seed's GroupLens `item_ratings.csv`);
 # by default the recipe writes a synthetic one where ratings come from hidden user and item
 # factors, so there is structure to learn. As in the seed: ids are label-encoded, the label is
-# rating >= mean, and the rows are split 70/21/9 into train/validation/test.
+# rating >= mean, and the rows are split 70/21/9 into train/validation/test. The splits are
+# written once as Parquet tables and every rank streams its own rows of them through
+# `gpulaunch.data` (`StreamingDataset` + `StreamingLoader`: row-sharded, reshuffled per epoch).
 #
 # Run it: `python recipes/lightning_two_tower_ddp.py` (tiny, CPU) or `--full` (the seed's
 # sizes: 100,000 ratings, embedding 128, towers [128, 64], batch 1024, lr 0.01).
@@ -146,6 +148,30 @@ def load_ratings(path: str, max_rows: int, seed: int):
             [(users[p], items[p], labels[p]) for p in parts])
 
 
+def write_splits(cfg) -> dict:
+    """The train/validation/test splits as Parquet tables (`user`, `item`, `label`), written
+    once before the ranks start; returns their paths and the id counts."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    n_users, n_items, splits = load_ratings(cfg.ratings_csv, cfg.max_rows, cfg.seed)
+    folder = os.path.splitext(cfg.ratings_csv)[0] + f"-splits-{cfg.max_rows}-s{cfg.seed}"
+    paths = {}
+    for name, (u, i, y) in zip(("train", "val", "test"), splits):
+        paths[name] = os.path.join(folder, f"{name}.parquet")
+        if not os.path.exists(paths[name]):
+            os.makedirs(folder, exist_ok=True)
+            tmp = f"{paths[name]}.tmp-{os.getpid()}"
+            pq.write_table(pa.table({"user": u.astype(np.int64), "item": i.astype(np.int64),
+                                     "label": y}), tmp, row_group_size=4096)
+            os.replace(tmp, paths[name])
+    return {"n_users": n_users, "n_items": n_items, **paths}
+
+
+data = write_splits(cfg)
+print("splits:", {k: v for k, v in data.items() if k.startswith("n_")}, os.path.dirname(data["train"]))
+
+
 # %% [markdown]
 # ## The model
 # Each tower: an embedding table, then an MLP. The last layer has no ReLU (TorchRec's `MLP`
@@ -220,20 +246,20 @@ class TwoTower(pl.LightningModule):
         return (self.user_tower(u) * self.item_tower(i)).sum(-1)  # the dot-product logit
 
     def training_step(self, batch, _):
-        users, items, labels = batch
+        users, items, labels = batch["user"], batch["item"], batch["label"]
         loss = self.loss(self(users, items), labels)
         self.log("train_loss", loss, sync_dist=True)
         return loss
 
     def validation_step(self, batch, _):
-        users, items, labels = batch
+        users, items, labels = batch["user"], batch["item"], batch["label"]
         logits = self(users, items)
         self.val_auroc.update(logits, labels.long())  # synced across ranks when computed
         self.log("val_loss", self.loss(logits, labels), sync_dist=True)
         self.log("val_auroc", self.val_auroc, on_epoch=True)
 
     def test_step(self, batch, _):
-        users, items, labels = batch
+        users, items, labels = batch["user"], batch["item"], batch["label"]
         self.test_auroc.update(self(users, items), labels.long())
         self.log("test_auroc", self.test_auroc, on_epoch=True)
 
@@ -294,25 +320,27 @@ from gpulaunch import runtime as rt
 
 
 @distributed(gpus=cfg.gpus)
-def train(cfg: Config) -> Optional[dict]:
+def train(cfg: Config, data: dict) -> Optional[dict]:
     import resource
     import time
     import warnings
 
     from lightning.pytorch.callbacks import LearningRateMonitor, ModelCheckpoint
-    from torch.utils.data import DataLoader, TensorDataset
+
+    from gpulaunch.data import StreamingDataset, StreamingLoader
 
     warnings.filterwarnings("ignore", ".*does not have many workers.*")
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     backend = cfg.embeddings if cfg.embeddings != "auto" else (
         "torchrec" if have_torchrec() else "nn")
-    n_users, n_items, splits = load_ratings(cfg.ratings_csv, cfg.max_rows, cfg.seed)
-    train_set, val_set, test_set = (
-        TensorDataset(torch.from_numpy(u).long(), torch.from_numpy(i).long(),
-                      torch.from_numpy(y)) for u, i, y in splits)
-    # Lightning puts a DistributedSampler on each loader itself (use_distributed_sampler)
-    loaders = [DataLoader(ds, batch_size=cfg.batch_size, shuffle=shuffle)
-               for ds, shuffle in ((train_set, True), (val_set, False), (test_set, False))]
+    n_users, n_items = data["n_users"], data["n_items"]
+    # each rank streams its own rows; train reshuffles every epoch (seed, epoch), the same
+    # number of batches on every rank. Lightning checkpoints the run, so name=None: these
+    # loaders are not added to gpulaunch's own checkpoints.
+    loaders = [StreamingLoader(StreamingDataset(data[split], seed=cfg.seed, shuffle=shuffle),
+                               batch_size=cfg.batch_size, name=None)
+               for split, shuffle in (("train", True), ("val", False), ("test", False))]
+    train_rows = loaders[0].dataset.num_rows
 
     model = TwoTower(n_users, n_items, cfg.embedding_dim,
                      [int(s) for s in cfg.layer_sizes.split(",")], cfg.lr, backend)
@@ -339,7 +367,7 @@ def train(cfg: Config) -> Optional[dict]:
     if trainer.global_rank == 0:
         print(f"Lightning joined the external launch: {type(env).__name__}, "
               f"world size {trainer.world_size}; embeddings: {backend}; "
-              f"{n_users} users, {n_items} items, {len(train_set)} train ratings", flush=True)
+              f"{n_users} users, {n_items} items, {train_rows} train ratings", flush=True)
 
     before = trainer.validate(model, loaders[1], verbose=False)[0]["val_auroc"]
     t0 = time.perf_counter()
@@ -363,7 +391,7 @@ def train(cfg: Config) -> Optional[dict]:
             "last_model_path": checkpoint.last_model_path,
             "mlflow_run_id": run_id, "mlflow_uri": cfg.mlflow_uri if run_id else None,
             "train_seconds": seconds,
-            "samples_per_s": cfg.epochs * len(train_set) / seconds, "peak_mem_gib": peak,
+            "samples_per_s": cfg.epochs * train_rows / seconds, "peak_mem_gib": peak,
             "peak_mem_kind": "cuda_max_allocated" if gpu else "cpu_max_rss"}
 
 
@@ -371,7 +399,7 @@ def train(cfg: Config) -> Optional[dict]:
 # ## Run it
 
 # %%
-result = train.distributed(cfg)[0]
+result = train.distributed(cfg, data)[0]
 print(f"\ntwo-tower ({result['embeddings']} embeddings): val AUROC {result['before']:.4f} -> "
       f"{result['after']:.4f} (best), test {result['test_auroc']:.4f}; "
       f"{result['samples_per_s']:.0f} samples/s; best checkpoint {result['best_model_path']}"

@@ -5,7 +5,7 @@
 set -euo pipefail
 repo="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 venv="${GPULAUNCH_VENV:-$repo/.venv}"
-extras="${GPULAUNCH_EXTRAS:-test}"
+extras="${GPULAUNCH_EXTRAS-test}"     # set but empty: no extra (the demo)
 # torch 2.14.1 + torchvision 0.29.1: the CUDA build, which also runs on CPU (RetinaNet recipe
 # needs torchvision). Override with TORCH_SPEC, e.g. TORCH_SPEC="torch==2.13.0" (CPU only).
 torch_spec="${TORCH_SPEC:-torch==2.14.1 torchvision==0.29.1}"
@@ -34,7 +34,7 @@ quiet() { grep -v "^WARNING: Location" >&2 || true; }  # local package mirrors a
 "$venv/bin/python" -m pip install -q --upgrade pip 2>&1 | quiet
 # shellcheck disable=SC2086
 "$venv/bin/python" -m pip install -q $torch_spec 2>&1 | quiet
-"$venv/bin/python" -m pip install -q ${constraints:+-c "$constraints"} -e "$repo[$extras]" 2>&1 | quiet
+"$venv/bin/python" -m pip install -q ${constraints:+-c "$constraints"} -e "$repo${extras:+[$extras]}" 2>&1 | quiet
 if [ -n "$torchrec_spec" ]; then
   # shellcheck disable=SC2086
   "$venv/bin/python" -m pip install -q --no-deps $torchrec_spec 2>&1 | quiet

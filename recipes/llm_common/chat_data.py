@@ -119,6 +119,12 @@ def _check_chat_rows(ds, source: str) -> None:
 
 def _read(path: str):
     import datasets
+
+    from .table_data import is_table, read_rows
+    if is_table(path):               # a Delta table or an object-store URL: gpulaunch.data
+        ds = read_rows(path)
+        _check_chat_rows(ds, path)
+        return ds
     lower = path.lower()
     if lower.endswith((".jsonl", ".json", ".jsonl.gz", ".json.gz")):
         kind = "json"

@@ -260,6 +260,9 @@ def make_probe(trainer, device):
     import torch
     from transformers import TrainerCallback
 
+    from .token_count import BatchTokenCounter
+    counter = BatchTokenCounter(trainer)
+
     def now():
         if device.type == "cuda":
             torch.cuda.synchronize(device)
@@ -270,6 +273,7 @@ def make_probe(trainer, device):
 
         def __init__(self):
             self.seen, self.step_times, self.step_tokens = None, [], []
+            self.batch_tokens = []          # this rank's, from the fetched batches (token_count)
             self.eval_seconds, self.in_train, self.eval_in_train = 0.0, False, 0.0
             self._t = self._tok = self.train_begin = self.train_end = None
 
@@ -286,6 +290,7 @@ def make_probe(trainer, device):
             if self._t is not None:
                 self.step_times.append(now() - self._t)
                 self.step_tokens.append(_tokens_so_far(trainer) - self._tok)
+                self.batch_tokens.append(counter.take())
             if self.seen is None:
                 self.seen = wrapper_in_effect(trainer)
 
@@ -323,8 +328,16 @@ def measured(trainer, probe, device, opts, *, timeline: dict, world_size: int) -
         evals.append((trainer.state.global_step, eval_loss(trainer)))
         timeline["eval_after_s"] = time.time() - t
     tokens = _tokens_so_far(trainer) or max((r.get("num_tokens", 0) for r in logs), default=0)
+    step_tokens, counted_by, extra = probe.step_tokens, "trainer", {}
+    # the trainer's counter saw nothing (Unsloth's own training step) or -x token_counter=batches:
+    # the tokens of the batches fetched for each step, summed over ranks (same on every rank)
+    if opts.extra.get("token_counter") == "batches" or not any(probe.step_tokens):
+        from .token_count import sum_over_ranks
+        extra["trainer_step_tokens"] = list(probe.step_tokens)
+        step_tokens, counted_by = sum_over_ranks(probe.batch_tokens, device), "batches"
+        tokens = sum(step_tokens)
     steps_s = sum(probe.step_times)
-    steady = metrics.steady_state(probe.step_times, probe.step_tokens, opts.measure_after)
+    steady = metrics.steady_state(probe.step_times, step_tokens, opts.measure_after)
     per_step_capacity = opts.batch_size * opts.grad_accum * world_size * opts.seq_len
     rate = steady["steady_tokens_per_second"]
     model = trainer.accelerator.unwrap_model(trainer.model_wrapped)
@@ -347,10 +360,11 @@ def measured(trainer, probe, device, opts, *, timeline: dict, world_size: int) -
         "tokens_per_second": tokens / steps_s if steps_s else None,
         **steady,
         # real tokens per step over what micro_batch x grad_accum x ranks x seq_len could hold
-        "fill": (sum(probe.step_tokens) / (len(probe.step_tokens) * per_step_capacity)
-                 if probe.step_tokens else None),
+        "fill": (sum(step_tokens) / (len(step_tokens) * per_step_capacity)
+                 if step_tokens else None),
         "step_times": [round(t, 4) for t in probe.step_times],
-        "step_tokens": probe.step_tokens,
+        "step_tokens": step_tokens,
+        "token_counter": counted_by, **extra,
         **metrics.throughput(config, seq_len=opts.seq_len, tokens_per_second=rate,
                              world_size=world_size, device=device,
                              override_tflops=opts.extra.get("peak_tflops")),

@@ -15,7 +15,7 @@ from data_fixtures import write_delta
 
 from gpulaunch import distributed
 from gpulaunch import runtime as rt
-from gpulaunch.errors import RunError
+from gpulaunch.errors import DataError, RunError
 
 LIVE = [i for i in range(101) if i != 42]
 
@@ -87,3 +87,26 @@ def test_killed_and_restarted_runs_see_each_row_once(tmp_path):
                                                     None, 1, "grow1")
     assert grown[0]["start"] == 6 and grown[0]["world"] == 3
     assert _seen(logs, "grow0", {0: 6}) + _seen(logs, "grow1", {}) == Counter(LIVE)
+
+
+def _read_then_sync(path: str):
+    import torch.distributed as dist
+
+    from gpulaunch.data import StreamingDataset, StreamingLoader
+
+    rt.init()
+    loader = StreamingLoader(StreamingDataset(path, shuffle=False), 4, num_workers=1)
+    for batch in loader:
+        dist.all_reduce(torch.ones(1))        # a collective per step, as training has
+    return len(loader)
+
+
+def test_a_bad_shard_on_one_rank_fails_the_call_and_names_it(tmp_path):
+    folder = tmp_path / "chats"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(f'{{"id": {i}}}\n' for i in range(8)))
+    (folder / "b.jsonl").write_text('{"id": 8}\n{"id": \n' * 4)   # rank 1's rows: broken JSON
+    t = __import__("time").monotonic()
+    with pytest.raises(DataError, match=r"b\.jsonl.*not JSON lines"):
+        distributed(gpus=2)(_read_then_sync).distributed(str(folder))
+    assert __import__("time").monotonic() - t < 240        # the waiting rank was stopped

@@ -89,6 +89,7 @@ def test_a_lighthouse_address_must_be_a_url():
     ({"gpus_per_replica": 2}, "one rank each"),
     ({"env": {"A": "1"}}, "pass extra_env="),
     ({"max_restarts": 2}, "restarts itself"),
+    ({"gpus": 2}, "not supported here"),
     ({"spares": -1}, "spares must be"),
 ])
 def test_run_replicas_refuses_bad_settings_before_starting_anything(kwargs, match):

@@ -172,3 +172,69 @@ def test_llmfoundry_on_gpu(tmp_path):
     r, _ = run_recipe("llmfoundry_fsdp", tmp_path, "-x", "global_batch=4")
     assert r["technique"] in ("fsdp1", "fsdp2", "ddp") and r["export_check"]["ok"]
     check_measured(r)
+
+
+# ------------------------------------------------------------------ the fast settings (--speed auto)
+def test_fast_settings_are_in_effect_on_gpu(tmp_path):
+    """--speed auto (the default) on a GPU: compiled, Liger kernels, fused AdamW, fused LoRA,
+    no gradient checkpointing (the planner: a tiny model fits), and the model still learns."""
+    missing = importable("trl", ("trl", "datasets", "peft", "liger_kernel"), tmp_path)
+    assert missing is None, missing
+    r, _ = run_recipe("trl_sft_lora_ddp", tmp_path, "--lora-dropout", "0", "-x", "save=false")
+    speed = {k: v["value"] for k, v in r["speed"].items()}
+    assert speed["torch_compile"] is True and speed["use_liger_kernel"] is True, r["speed"]
+    assert speed["optim"] == "adamw_torch_fused" and speed["gradient_checkpointing"] is False
+    assert r["fused_lora"]["fused"] > 0
+    check_measured(r)
+
+
+def test_zero3_runs_the_tuned_config_on_gpu(tmp_path):
+    missing = importable("trl", ("trl", "datasets", "deepspeed"), tmp_path)
+    assert missing is None, missing
+    r, _ = run_recipe("trl_sft_full_zero3", tmp_path, "-x", "save=false")
+    z = r["deepspeed_zero"]
+    assert z["overlap_comm"] is True and z["reduce_bucket_size"] == 500_000_000
+    assert z["stage3_param_persistence_threshold"] > 0 and z["stage3_prefetch_bucket_size"] >= 5e7
+    check_measured(r)
+
+
+FUSED_ON_CUDA = r"""
+import copy, torch
+from peft import LoraConfig, get_peft_model
+from transformers import LlamaConfig, LlamaForCausalLM
+from gpulaunch.hf import fuse_lora
+torch.manual_seed(0)
+cfg = LlamaConfig(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=256)
+base = LlamaForCausalLM(cfg).to("cuda", torch.bfloat16)
+ref = get_peft_model(base, LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0,
+                                      target_modules="all-linear", task_type="CAUSAL_LM"))
+with torch.no_grad():
+    for n, p in ref.named_parameters():
+        if "lora_B" in n:
+            p.normal_(0, 0.05)
+x = torch.randint(0, 512, (2, 256), device="cuda")
+for mode in ("merged", "split"):
+    fast = copy.deepcopy(ref)
+    assert fuse_lora(fast, mode=mode)["fused"] == 14
+    outs = []
+    for m in (ref, torch.compile(fast)):
+        m.zero_grad(set_to_none=True)
+        out = m(input_ids=x, labels=x)
+        out.loss.backward()
+        outs.append((out.logits.float(), {n.replace("_orig_mod.", ""): p.grad.float()
+                                          for n, p in m.named_parameters() if p.grad is not None}))
+    (la, ga), (lb, gb) = outs
+    assert (la - lb).abs().max() < 0.1, (mode, (la - lb).abs().max())
+    for n, g in ga.items():
+        cos = torch.nn.functional.cosine_similarity(g.flatten(), gb[n].flatten(), dim=0)
+        assert cos > 0.99, (mode, n, float(cos))
+print("ok")
+"""
+
+
+def test_fused_lora_compiled_on_cuda_matches_peft(tmp_path):
+    """bf16 on the GPU, inductor-compiled fused forward (both forms) against eager peft."""
+    p = subprocess.run([sys.executable, "-c", FUSED_ON_CUDA], env=env_for("trl", tmp_path),
+                       capture_output=True, text=True, timeout=600, check=False)
+    assert p.returncode == 0 and "ok" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]

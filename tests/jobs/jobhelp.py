@@ -3,10 +3,13 @@ a job is left running."""
 
 from __future__ import annotations
 
+import base64
+import hashlib
 import json
 import subprocess
 import textwrap
 import time
+import zipfile
 from pathlib import Path
 
 import psutil
@@ -85,6 +88,9 @@ def job_pids(home: Path, job_id: str) -> set[int]:
         if not f.stem.isdigit():
             continue
         a = json.loads(f.read_text())
+        result = f.with_name(f"{f.stem}.result.json")     # the attempt's own, while it runs
+        if result.exists():
+            a = {**json.loads(result.read_text()), **a}
         if a.get("pid"):
             pids.add(a["pid"])
         if a.get("run_dir") and Path(a["run_dir"]).exists():
@@ -107,3 +113,23 @@ def assert_nothing_left(home: Path, job_id: str, wait: float = 10.0) -> None:
     pids = job_pids(home, job_id)
     assert len(pids) >= 3, f"too few pids recorded to check: {pids}"
     wait_for(f"every process of {job_id} to end ({pids})", lambda: not alive(pids), wait)
+
+
+def wheel(folder, name: str, version: str, body: str):
+    """A pure-Python wheel built by hand (pip installs it offline)."""
+    dist = f"{name}-{version}.dist-info"
+    files = {f"{name}.py": body,
+             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
+             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
+                              "Tag: py3-none-any\n"}
+    record = []
+    for path, text in files.items():
+        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
+        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
+    record.append(f"{dist}/RECORD,,")
+    files[f"{dist}/RECORD"] = "\n".join(record) + "\n"
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(path, "w") as z:
+        for p, text in files.items():
+            z.writestr(p, text)
+    return path

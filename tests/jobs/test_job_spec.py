@@ -155,3 +155,11 @@ def test_every_section_field_is_documented():
         assert cls.__doc__
         for f in dataclasses.fields(cls):
             assert f.metadata.get("doc"), f"{cls.__name__}.{f.name} has no doc"
+
+
+def test_rank_filter_reads_both_launch_prefixes():
+    from gpulaunch.jobs.follow import _keep
+    assert _keep("[rank 1] loss 2.0", 1) == "loss 2.0"
+    assert _keep("[node 0 rank 1] loss 2.0", 1) == "loss 2.0"       # a launch over Ray
+    assert _keep("[rank 11] loss", 1) is None and _keep("gpulaunch: run x", 1) is None
+    assert _keep("GPULAUNCH_ATTEMPT_RESULT {}", None) is None

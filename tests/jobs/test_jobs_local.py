@@ -119,3 +119,22 @@ def test_function_command_runs_under_distributed_semantics(tmp_path, gpulaunch_h
     assert d["state"] == "SUCCEEDED", d
     assert d["attempts"][0]["results"] == ["{'rank': 0, 'value': 10}",
                                            "{'rank': 1, 'value': 20}"]
+
+
+def test_a_killed_supervisor_takes_its_attempt_along_and_the_job_shows_lost(tmp_path,
+                                                                            gpulaunch_home):
+    """kill -9 of the supervisor (an OOM kill, a reboot): its attempt gets SIGTERM (parent
+    death signal) and stops its ranks; the job reads LOST and cancel closes it."""
+    go = tmp_path / "never"
+    spec = write_job(tmp_path)
+    job_id = gl("job", "run", spec, "--override",
+                f"environment.env.WAIT_FILE={go}").stdout.strip()
+    wait_for("both ranks up", lambda: all((tmp_path / f"never.rank{r}").exists()
+                                          for r in (0, 1)))
+    sup = json.loads((gpulaunch_home / "jobs" / job_id / "job.json").read_text())
+    os.kill(sup["supervisor_pid"], signal.SIGKILL)
+    assert_nothing_left(gpulaunch_home, job_id, wait=60)
+    assert get(job_id)["state"] == "LOST"
+    out = json.loads(gl("job", "cancel", job_id, "--json").stdout)
+    assert out["state"] == "CANCELLED", out
+    assert get(job_id)["cause"] == "cancelled (its supervisor was gone)"

@@ -17,8 +17,7 @@ from pathlib import Path
 import psutil
 import pytest
 from conftest import PY, python_env
-from jobhelp import alive, get, gl, wait_for, wait_state, write_job
-from test_jobs_retries import _wheel
+from jobhelp import alive, get, gl, wait_for, wait_state, wheel, write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
@@ -124,12 +123,12 @@ def _spec(tmp_path, address: str, extra: str = "", name: str = "t"):
 
 
 def test_ray_job_installs_requirements_runs_and_logs(ray_head, tmp_path, gpulaunch_home):
-    wheel = _wheel(tmp_path, "rayjobdep", "0.1", "VALUE = 'installed by the Ray job'\n")
+    whl = wheel(tmp_path, "rayjobdep", "0.1", "VALUE = 'installed by the Ray job'\n")
     (tmp_path / "bad").mkdir()
     bad = _spec(tmp_path / "bad", ray_head,
                 "environment:\n  requirements: ['gpulaunch-no-such-dep==9.9']\n", name="bad")
     bad_id = gl("job", "run", bad).stdout.strip()
-    spec = _spec(tmp_path, ray_head, f"environment:\n  requirements: ['{wheel}']\n")
+    spec = _spec(tmp_path, ray_head, f"environment:\n  requirements: ['{whl}']\n")
     (tmp_path / "code" / "train.py").write_text(
         "import rayjobdep\n" + (tmp_path / "code" / "train.py").read_text()
         .replace('print(f"rank {r} done", flush=True)',
@@ -139,7 +138,7 @@ def test_ray_job_installs_requirements_runs_and_logs(ray_head, tmp_path, gpulaun
     assert d["state"] == "SUCCEEDED", d
     assert d["attempts"][0]["ray_submission_id"] == f"{job_id}-a1"
     logs = gl("job", "logs", job_id).stdout
-    assert "[rank 1] rank 1 done installed by the Ray job" in logs, logs
+    assert "[node 0 rank 1] rank 1 done installed by the Ray job" in logs, logs
     assert gl("job", "logs", job_id, "--rank", "0").stdout.splitlines() == \
         ["rank 0 sum 3.0", "rank 0 done installed by the Ray job"]
 

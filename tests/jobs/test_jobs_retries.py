@@ -4,12 +4,8 @@ venv once per hash, and a failing install failing the job before its first attem
 
 from __future__ import annotations
 
-import base64
-import hashlib
-import zipfile
-
 import pytest
-from jobhelp import get, gl, wait_state, write_job
+from jobhelp import get, gl, wait_state, wheel, write_job
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 
@@ -53,29 +49,9 @@ def test_failing_job_retries_with_causes_and_nested_mlflow_runs(tmp_path, gpulau
     assert {r.info.run_id for r in children} == {a["mlflow_run_id"] for a in d["attempts"]}
 
 
-def _wheel(folder, name: str, version: str, body: str):
-    """A pure-Python wheel built by hand (pip installs it offline)."""
-    dist = f"{name}-{version}.dist-info"
-    files = {f"{name}.py": body,
-             f"{dist}/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n",
-             f"{dist}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\n"
-                              "Tag: py3-none-any\n"}
-    record = []
-    for path, text in files.items():
-        digest = base64.urlsafe_b64encode(hashlib.sha256(text.encode()).digest()).rstrip(b"=")
-        record.append(f"{path},sha256={digest.decode()},{len(text.encode())}")
-    record.append(f"{dist}/RECORD,,")
-    files[f"{dist}/RECORD"] = "\n".join(record) + "\n"
-    path = folder / f"{name}-{version}-py3-none-any.whl"
-    with zipfile.ZipFile(path, "w") as z:
-        for p, text in files.items():
-            z.writestr(p, text)
-    return path
-
-
 def test_requirements_build_a_venv_once_and_a_bad_one_fails_early(tmp_path, gpulaunch_home):
-    wheel = _wheel(tmp_path, "jobdep", "1.2.3", "VALUE = 'from the job venv'\n")
-    spec = write_job(tmp_path, f"environment:\n  requirements: ['{wheel}']\n")
+    whl = wheel(tmp_path, "jobdep", "1.2.3", "VALUE = 'from the job venv'\n")
+    spec = write_job(tmp_path, f"environment:\n  requirements: ['{whl}']\n")
     code = tmp_path / "code" / "train.py"
     code.write_text("import jobdep, sys\nprint(jobdep.VALUE, sys.prefix, flush=True)\n")
     offline = {"PIP_NO_INDEX": "1"}

@@ -255,3 +255,30 @@ def test_hugging_face_llama_under_the_built_in_tensor_plan():
     assert r["ref"][-1] < r["ref"][0] - 0.2, r["ref"]
     diff = max(abs(a - b) for a, b in zip(r["tp"], r["ref"]))
     assert diff <= ATOL, (r["tp"], r["ref"])
+
+
+def job_tp_warm(steps):
+    from gpulaunch import runtime as rt
+    rt.init()
+    p = gp.prepare(make_model(0), opt_factory, strategy="fsdp", mesh=Mesh(shard=1, tensor=2), max_grad_norm=CLIP)
+    losses = []
+    _train(p, range(1, steps + 1), losses)
+    return os.getpid(), losses
+
+
+@pytest.mark.slow
+def test_a_warm_pool_builds_the_mesh_again_on_each_call():
+    """keep_alive ranks keep their process group: the second call builds a new mesh in it."""
+    import gpulaunch
+    from gpulaunch import distributed
+
+    job = distributed(gpus=2, keep_alive=60, timeout=300, stream_logs="none")(job_tp_warm)
+    try:
+        first = job.distributed(4)
+        second = job.distributed(4)
+    finally:
+        gpulaunch.shutdown()
+    assert [pid for pid, _ in first] == [pid for pid, _ in second]   # the same (warm) ranks
+    ref, _ = reference()
+    for _, losses in first + second:
+        assert max(abs(a - b) for a, b in zip(losses, ref[:4])) <= ATOL, (losses, ref[:4])

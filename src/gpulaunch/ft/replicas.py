@@ -84,7 +84,8 @@ class ReplicaGroups:
         if gpus_per_replica != 1:
             raise ConfigurationError("gpus_per_replica: replica groups are one rank each for "
                                      "now (torchft DDP); use replicas=N for N ranks.")
-        for reserved in ("env", "max_restarts", "remote", "cluster", "keep_alive"):
+        for reserved in ("env", "max_restarts", "remote", "cluster", "keep_alive", "gpus",
+                         "num_accelerators"):
             if reserved in launch_options:
                 raise ConfigurationError(f"run_replicas(..., {reserved}=...): not supported "
                                          "here (each replica group is a local launch that "

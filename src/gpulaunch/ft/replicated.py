@@ -71,6 +71,23 @@ class _Progress:
                 self.path = f"{stem}.steps.jsonl"
         self.healed_to: int | None = None
 
+    @staticmethod
+    def wait_for_first_starts(timeout: float) -> None:
+        """Before the first quorum of a run: wait until every replica group's process is up.
+        Otherwise a group that starts seconds before another can train alone from step 0,
+        even to the end, and the late one then trains alone from step 0 again: two models."""
+        folder = os.environ.get(ENV_DIR)
+        if not folder or attempt() > 0:
+            return
+        deadline = time.monotonic() + timeout
+        want = range(num_replicas())
+        while time.monotonic() < deadline:
+            names = os.listdir(folder)
+            if all(any(n.startswith(f"replica{i}.attempt") and n.endswith(".pid") for n in names)
+                   for i in want):
+                return
+            time.sleep(0.02)
+
     def committed(self, step: int, participants: int) -> None:
         # The first commit of a process whose step is past 1 received its state from a peer.
         if self.first and step > 1:
@@ -254,6 +271,7 @@ def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0
         # advertise an address the peers can reach: loopback on one host
         **({"hostname": "127.0.0.1"} if host in ("127.0.0.1", "localhost", "::1") else {}))
     progress = _Progress(group_rank=dist.get_rank())
+    progress.wait_for_first_starts(quorum_timeout)
     ddp = _ddp_class()(manager, model)
     opt = _optimizer_class()(manager, optimizer, progress)
     return Replicated(model=ddp, optimizer=opt, manager=manager, progress=progress)

@@ -73,6 +73,11 @@ def run(ctx: dict) -> dict:
     tags = {"gpulaunch.job_id": ctx["job_id"], "gpulaunch.job_attempt": str(ctx["attempt"])}
     opts = options_for(spec, tracking_tags=tags,
                        enabled=bool(ctx.get("tracking")) and node_rank == 0)
+    # what a rank may want to know about its job (a checkpoint folder that outlives attempts)
+    opts = opts.replace(env={**dict(opts.env), "GPULAUNCH_JOB_ID": ctx["job_id"],
+                             "GPULAUNCH_ATTEMPT": str(ctx["attempt"]),
+                             **({"GPULAUNCH_JOB_DIR": ctx["job_dir"]} if ctx.get("job_dir")
+                                else {})})
     call = _function_call(spec) if spec.command.function else None
     out = {"state": "FAILED", "node_rank": node_rank, "started": time.time()}
     run = launch(opts, entry_for(spec), label=spec.name, call=call, stream=True,

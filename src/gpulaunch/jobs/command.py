@@ -87,7 +87,7 @@ def state_of(job: JobDir) -> str:
 def describe(job: JobDir) -> dict:
     rec = job.record()
     attempts = []
-    for a in job.attempts():
+    for a in (job.attempt_live(a["attempt"]) for a in job.attempts()):
         attempts.append({k: a.get(k) for k in (
             "attempt", "state", "cause", "started", "ended", "mlflow_run_id", "run_dir",
             "slurm_job_id", "ray_submission_id", "results", "exit_code") if a.get(k) is not None})

@@ -7,6 +7,7 @@ job go to stderr, so stdout stays equal to ``job logs``.
 
 from __future__ import annotations
 
+import re
 import sys
 import time
 from typing import Callable, Iterator
@@ -21,13 +22,17 @@ def header(n: int) -> str:
     return f"=== attempt {n} ==="
 
 
+# "[rank 3] ..." from one host; "[node 1 rank 3] ..." from a launch over a Ray cluster
+_PREFIX = re.compile(r"^\[(?:node \d+ )?rank (\d+)\] ")
+
+
 def _keep(line: str, rank: int | None) -> str | None:
     if line.startswith(MARKER):
         return None
     if rank is None:
         return line
-    prefix = f"[rank {rank}] "
-    return line[len(prefix):] if line.startswith(prefix) else None
+    m = _PREFIX.match(line)
+    return line[m.end():] if m and int(m.group(1)) == rank else None
 
 
 def lines(job: JobDir, *, attempt: int | None = None, rank: int | None = None) -> Iterator[str]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import types
 import typing
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,7 @@ from ..errors import ConfigurationError
 from .specfile import Located, SpecError
 
 WHERE = ("local", "slurm", "ray")
+_UNIONS = (typing.Union, types.UnionType)
 # LaunchOptions fields that a section of the spec sets, and where to write them instead.
 OWNED = {"gpus": "compute.gpus", "gpu_type": "compute.gpu_type",
          "remote": "compute.where: ray", "cluster": "compute.ray.address",
@@ -191,7 +193,7 @@ def tracking_keys() -> dict[str, dataclasses.Field]:
 
 def _type_name(tp) -> str:
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in _UNIONS:
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         return " or ".join(_type_name(a) for a in args) + " (or empty)"
     if origin is list:
@@ -207,7 +209,7 @@ def _type_name(tp) -> str:
 def _convert(tp, value, path: str, loc: Located | None):
     """``value`` as type ``tp``, or a SpecError at ``path``."""
     origin = typing.get_origin(tp)
-    if origin in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+    if origin in _UNIONS:
         if value is None:
             return None
         (inner,) = [a for a in typing.get_args(tp) if a is not type(None)]

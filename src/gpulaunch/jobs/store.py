@@ -84,6 +84,13 @@ class JobDir:
     def attempt(self, n: int) -> dict:
         return read_json(self.attempt_file(n), {}) or {}
 
+    def attempt_live(self, n: int) -> dict:
+        """Attempt ``n`` as the supervisor recorded it, with what the attempt's process wrote
+        itself (its run directory, as soon as its ranks start) filling the gaps."""
+        own = read_json(self.attempt_file(n, "result.json"), {}) or {}
+        own.pop("state", None)
+        return {**own, **self.attempt(n)}
+
     def update_attempt(self, n: int, **fields) -> dict:
         rec = self.attempt(n)
         rec.update(fields, attempt=n)

@@ -46,7 +46,8 @@ class Supervisor:
         rec = self.job.record()
         return {"spec": self.spec.to_json(), "job_id": self.job.job_id, "attempt": n,
                 "result_file": str(self.job.attempt_file(n, "result.json")),
-                "tracking": runs.enabled, "environ": runs.environ(), "cwd": rec["code_path"]}
+                "tracking": runs.enabled, "environ": runs.environ(), "cwd": rec["code_path"],
+                "job_dir": str(self.job.path) if self.spec.compute.where != "ray" else None}
 
     def run(self) -> JobState:
         from .environment import EnvironmentBuildError

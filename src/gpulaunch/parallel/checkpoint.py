@@ -271,9 +271,7 @@ def save_checkpoint(path, prepared, *, step: int, extra: Any = None, optimizer=N
 
     def publish():
         meta = {"step": step, "strategy": p.strategy, "format": _format(p), "world_size": _env.world_size(),
-                "mixed_precision": p.mixed_precision, "time": time.time(), "torch": torch.__version__,
-                # the layout it was saved under (DCP reshards to any other on load)
-                "mesh": p.mesh.spec.sizes if getattr(p, "mesh", None) is not None else None}
+                "mixed_precision": p.mixed_precision, "time": time.time(), "torch": torch.__version__, "mesh": p.mesh and p.mesh.spec.sizes}
         _publish(None if url else write_dir, final_dir, root, meta)
         if keep:
             for _, old in list_checkpoints(root)[:-keep]:

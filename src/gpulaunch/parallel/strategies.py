@@ -60,6 +60,11 @@ def _choose_auto(model: nn.Module, device: torch.device, mixed_precision, **plan
     return auto.choose(model, device, mixed_precision, _device_memory(device), **planner_kwargs)
 
 
+def _tensor_only(built) -> bool:
+    """A mesh of tensor (or context) ranks only: nothing for FSDP2 to shard over."""
+    return built is not None and built.fsdp.size() == 1 and _env.world_size() > 1
+
+
 # ----------------------------------------------------------------------------- strategy objects
 class Strategy:
     """How one strategy turns a model into a :class:`Prepared`. ``mesh()`` says which layouts it
@@ -88,8 +93,8 @@ class TorchStrategy(Strategy):
         after_step = []
         if s.precision == "fp8":
             from .fp8 import convert_to_fp8
-            converted, after_step = convert_to_fp8(model, fsdp=self.name == "fsdp", blocks=s.blocks,
-                                                   recipe=s.fp8_recipe)
+            converted, after_step = convert_to_fp8(model, fsdp=self.name == "fsdp" and not _tensor_only(built),
+                                                   blocks=s.blocks, recipe=s.fp8_recipe)
             log.info("precision='fp8' (%s): %d linear layers in FP8: %s", s.fp8_recipe, len(converted),
                      ", ".join(converted))
         if built is not None and spec.tensor > 1:
@@ -170,8 +175,7 @@ class Sharded(TorchStrategy):
         return m
 
     def wrap(self, model, optimizer, s, blist, built):
-        if built is not None and built.fsdp.size() == 1 and _env.world_size() > 1:
-            # tensor (or nothing else) parallel only: no data-parallel ranks to shard over
+        if _tensor_only(built):   # no data-parallel ranks to shard over
             if not s.cpu_offload:
                 model.to(s.device)
             opt = build_optimizer(optimizer, model.parameters())

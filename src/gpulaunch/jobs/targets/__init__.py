@@ -53,7 +53,7 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
 def result_of(job: JobDir, n: int, fallback_cause: str) -> dict:
     """The attempt's own record when it wrote a final one, else a failure with
     ``fallback_cause`` and the end of its log."""
-    rec = job.attempt(n).get("result") or {}
+    rec: dict = {}
     path = job.attempt_file(n, "result.json")
     try:
         rec = json.loads(path.read_text())

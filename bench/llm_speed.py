@@ -1,0 +1,296 @@
+"""The fast TRL recipes against the by-hand anchors, interleaved in one device call: Llama-3.2-1B
+shape, random init, bf16, world size 1, 4 x 2048 tokens a step (``--data long``), tokens/s of
+the steady steps and the ratio to the anchor measured in the same call.
+
+Groups (one device call each; ``--group all`` runs them in order while the budget lasts):
+
+- ``lora``: the compiled LoRA anchor (``anchors/hf_lora_loop.py``: peft r 8 all-linear, fused
+  AdamW) first and last (A ... A), between them ``trl_sft_lora_ddp`` and ``trl_sft_lora_fsdp``
+  with ``--speed auto`` and the anchor's own loop with ``gpulaunch.hf.fuse_lora`` (merged form;
+  the split form after, if the budget allows). Target: recipe / anchor >= 1.0 (stretch 1.3).
+- ``full``: the compiled full fine-tuning anchor (``anchors/hf_llama_loop.py``) first and last,
+  between them ``trl_sft_full_zero3`` with ``--speed auto`` (tuned ZeRO-3 dict) and ``--speed
+  off`` (the seed's dict), each under gpulaunch and under ``accelerate launch --use_deepspeed``,
+  and the seed's dict under gpulaunch with ``OMP_NUM_THREADS=1`` (what accelerate launch sets).
+  Targets: auto / accelerate(off) >= 1.0, auto / anchor >= 0.8.
+- ``quality``: ``trl_sft_lora_ddp`` and ``trl_sft_lora_fsdp`` with ``--speed off``, the same
+  steps and seed: each fast run's final eval loss must be within 2% of its plain twin's (the
+  ZeRO-3 pair is in ``full``).
+
+    python bench/llm_speed.py --carry                   # here: copy the anchors to .device-carry
+    bash bench/llm_speed.sh                             # there (GPU): GROUP=lora|full|quality
+    python bench/llm_speed.py --dry-run                 # the plan and every command, nothing run
+    python bench/llm_speed.py --smoke --group lora      # CPU, tiny models: checks this script
+
+Writes ``$OUT/llm_speed.json`` (every run's full result, ratios, loss checks) and
+``$OUT/llm_speed.md`` (the table for recipes/LLM.md), rewritten after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import llm_recipes_gpu as recipes_bench  # noqa: E402  (Run, execute, shapes: one launcher code)
+
+ROOT = HERE.parent
+GROUPS = ("lora", "full", "quality")
+LOSS_TOLERANCE = 0.02
+
+
+@dataclass
+class Item:
+    label: str
+    group: str
+    row: str
+    est_s: float
+    recipe: recipes_bench.Run | None = None      # a recipe run, or
+    anchor: list = field(default_factory=list)   # bench/llm_anchor_run.py arguments
+    role: str = ""                               # anchor_lora, fast, plain, ...
+
+
+def _recipe(label, group, recipe, args, *, role, row, est_s, launcher="gpulaunch", smoke=False,
+            env=None):
+    accel = ["--mixed_precision", "no" if smoke else "bf16"] if launcher == "accelerate" else []
+    run = recipes_bench.Run(label, recipe, args, launcher=launcher, limit_s=2 * est_s + 60,
+                            est_s=est_s, row=row, group=group, launcher_args=accel,
+                            extra_env=dict(env or {}))
+    return Item(label, group, row, est_s, recipe=run, role=role)
+
+
+def plan(group: str, smoke: bool) -> list[Item]:
+    steps = 4 if smoke else 40
+    one_b = recipes_bench._shape(smoke, "llama-3.2-1b", 2048, 4, 1, steps, "--measure-after",
+                                 "8", "--eval-batches", "2", "--lr", "2e-4",
+                                 "--warmup-steps", "2") + ["-x", "save=false"]
+    lora = ["--lora-r", "8", "--lora-alpha", "16", "--lora-dropout", "0"]
+    fsdp_cpu = ["-x", "on_cpu=ddp"] if smoke else []
+    plain = ["--speed", "off", "--no-gradient-checkpointing"]
+    smoke_flag = ["--smoke"] if smoke else []
+
+    def anchor(label, kind, fuse="none", role="anchor"):
+        return Item(label, group, f"by hand, {kind}" + (f", fuse_lora {fuse}" if fuse != "none"
+                                                         else "") + ", torch.compile",
+                    90, anchor=["--kind", kind, "--compile", "--fuse", fuse, *smoke_flag],
+                    role=role)
+
+    if group == "lora":
+        return [anchor("anchor_lora_1", "lora", role="anchor_lora"),
+                _recipe("lora_ddp_fast", group, "trl_sft_lora_ddp", one_b + lora, role="fast",
+                        row="trl_sft_lora_ddp --speed auto", est_s=90, smoke=smoke),
+                _recipe("lora_fsdp_fast", group, "trl_sft_lora_fsdp", one_b + lora + fsdp_cpu,
+                        role="fast", row="trl_sft_lora_fsdp --speed auto", est_s=90, smoke=smoke),
+                anchor("fused_merged", "lora", "merged", role="fused"),
+                anchor("anchor_lora_2", "lora", role="anchor_lora"),
+                anchor("fused_split", "lora", "split", role="fused")]    # last: the budget's slack
+    if group == "full":
+        z3 = one_b
+        return [anchor("anchor_full_1", "full", role="anchor_full"),
+                _recipe("zero3_fast", group, "trl_sft_full_zero3", z3, role="fast",
+                        row="trl_sft_full_zero3 --speed auto (tuned ZeRO-3)", est_s=60,
+                        smoke=smoke),
+                _recipe("zero3_plain", group, "trl_sft_full_zero3", z3 + plain, role="plain",
+                        row="trl_sft_full_zero3 --speed off (the seed's ZeRO-3 dict)", est_s=50,
+                        smoke=smoke),
+                _recipe("zero3_plain_accelerate", group, "trl_sft_full_zero3", z3 + plain,
+                        role="accelerate", launcher="accelerate", smoke=smoke,
+                        row="the same under accelerate launch --use_deepspeed", est_s=50),
+                # the one launch-environment difference found statically: accelerate launch
+                # sets OMP_NUM_THREADS=1 (its --num_cpu_threads_per_process default), torchrun
+                # and gpulaunch leave it unset for a single process
+                _recipe("zero3_plain_omp1", group, "trl_sft_full_zero3", z3 + plain,
+                        role="plain_omp1", env={"OMP_NUM_THREADS": "1"}, smoke=smoke,
+                        row="--speed off under gpulaunch with OMP_NUM_THREADS=1", est_s=50),
+                _recipe("zero3_fast_accelerate", group, "trl_sft_full_zero3", z3,
+                        role="accelerate_fast", launcher="accelerate", smoke=smoke,
+                        row="--speed auto under accelerate launch --use_deepspeed", est_s=60),
+                anchor("anchor_full_2", "full", role="anchor_full")]
+    if group == "quality":
+        return [_recipe("lora_ddp_plain", group, "trl_sft_lora_ddp", one_b + lora + plain,
+                        role="plain", row="trl_sft_lora_ddp --speed off", est_s=50, smoke=smoke),
+                _recipe("lora_fsdp_plain", group, "trl_sft_lora_fsdp",
+                        one_b + lora + plain + fsdp_cpu, role="plain",
+                        row="trl_sft_lora_fsdp --speed off", est_s=50, smoke=smoke)]
+    raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)} or all")
+
+
+def anchor_command(item: Item, json_path: Path) -> list[str]:
+    return [sys.executable, str(HERE / "llm_anchor_run.py"), *item.anchor, "--json", str(json_path)]
+
+
+def run_anchor(item: Item, res_dir: Path, log_dir: Path, deadline: float) -> dict:
+    out_json, log = res_dir / f"{item.label}.json", log_dir / f"{item.label}.log"
+    out_json.unlink(missing_ok=True)
+    cmd = anchor_command(item, out_json)
+    limit = max(10.0, min(2 * item.est_s + 60, deadline - time.time()))
+    env = {**os.environ, **recipes_bench.site_env("trl")}
+    t0 = time.time()
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(cmd) + "\n")
+        f.flush()
+        try:
+            rc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                                timeout=limit, start_new_session=True, check=False).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout"
+    out = {"label": item.label, "row": item.row, "group": item.group, "rc": rc,
+           "wall_s": round(time.time() - t0, 2),
+           "command": shlex.join(["python3" if c == sys.executable else c for c in cmd])}
+    if out_json.exists():
+        r = json.loads(out_json.read_text())
+        out["result"] = {**r, "steady_tokens_per_second": r.get("tok_s")}
+    else:
+        out["log_tail"] = log.read_text()[-3000:]
+    print(f"=== {item.label}: rc {rc}, {out['wall_s']} s, tok/s "
+          f"{out.get('result', {}).get('tok_s')}", flush=True)
+    return out
+
+
+def _rate(run):
+    return (run.get("result") or {}).get("steady_tokens_per_second")
+
+
+def _mean(vals):
+    vals = [v for v in vals if v]
+    return sum(vals) / len(vals) if vals else None
+
+
+def ratios(runs: list[dict]) -> dict:
+    """Every ratio the issue asks for, from the runs that finished (None where one is missing)."""
+    by = {r["label"]: r for r in runs}
+    anchor_lora = _mean([_rate(r) for r in runs if r.get("role") == "anchor_lora"])
+    anchor_full = _mean([_rate(r) for r in runs if r.get("role") == "anchor_full"])
+
+    def ratio(a, b):
+        return round(a / b, 3) if a and b else None
+
+    out = {"anchor_lora_tokens_per_second": anchor_lora,
+           "anchor_full_tokens_per_second": anchor_full}
+    for label in ("lora_ddp_fast", "lora_fsdp_fast", "fused_merged", "fused_split"):
+        out[f"{label}_vs_anchor_lora"] = ratio(_rate(by.get(label, {})), anchor_lora)
+    z = {k: _rate(by.get(k, {})) for k in ("zero3_fast", "zero3_plain", "zero3_plain_accelerate",
+                                           "zero3_fast_accelerate", "zero3_plain_omp1")}
+    out["zero3_fast_vs_accelerate_plain"] = ratio(z["zero3_fast"], z["zero3_plain_accelerate"])
+    out["zero3_fast_vs_accelerate_fast"] = ratio(z["zero3_fast"], z["zero3_fast_accelerate"])
+    out["zero3_plain_accelerate_vs_plain"] = ratio(z["zero3_plain_accelerate"], z["zero3_plain"])
+    out["zero3_fast_vs_plain"] = ratio(z["zero3_fast"], z["zero3_plain"])
+    out["zero3_plain_omp1_vs_plain"] = ratio(z["zero3_plain_omp1"], z["zero3_plain"])
+    out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
+    return out
+
+
+def loss_checks(runs: list[dict]) -> dict:
+    """Fast vs plain final eval loss, same steps and seed: within LOSS_TOLERANCE (relative)."""
+    by = {r["label"]: (r.get("result") or {}).get("eval_loss_after") for r in runs}
+    out = {}
+    for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
+                        ("zero3_fast", "zero3_plain")):
+        a, b = by.get(fast), by.get(plain)
+        if a is not None and b is not None:
+            rel = abs(a - b) / abs(b)
+            out[fast] = {"fast": a, "plain": b, "relative": round(rel, 4),
+                         "ok": rel <= LOSS_TOLERANCE}
+    return out
+
+
+def markdown(summary: dict) -> str:
+    rat, checks = summary["ratios"], summary["loss_checks"]
+    lines = [f"{summary['when']}, {summary['machine']}, `{summary['command']}`", "",
+             "| run | tokens/s (steady) | vs anchor | eval loss end | technique | rc |",
+             "|---|---|---|---|---|---|"]
+    for r in summary["runs"]:
+        x = r.get("result") or {}
+        vs = rat.get(f"{r['label']}_vs_anchor_lora")
+        if r["label"].startswith("zero3_fast") and r["label"] == "zero3_fast":
+            vs = rat.get("zero3_fast_vs_anchor_full")
+        rate = x.get("steady_tokens_per_second")
+        lines.append(f"| {r['row']} (`{r['label']}`) | {round(rate) if rate else '-'} | "
+                     f"{vs if vs is not None else '-'} | "
+                     f"{x.get('eval_loss_after', x.get('loss', '-'))} | "
+                     f"{x.get('technique', 'by hand')} | {r['rc']} |")
+    lines += ["", "Ratios: " + json.dumps({k: v for k, v in rat.items() if v is not None}),
+              "", "Loss checks (fast vs plain, same steps, within 2%): " + json.dumps(checks)]
+    return "\n".join(lines) + "\n"
+
+
+def carry() -> int:
+    dest = ROOT / ".device-carry" / "anchors"
+    dest.mkdir(parents=True, exist_ok=True)
+    import llm_anchor_run
+    for kind, name in llm_anchor_run.ANCHORS.items():
+        src = llm_anchor_run.find_anchor(kind)
+        if src.parent != dest:
+            shutil.copyfile(src, dest / name)
+        print(f"{src} -> {(dest / name).relative_to(ROOT)}")
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--group", default=os.environ.get("GROUP", "all"))
+    ap.add_argument("--smoke", action="store_true", help="CPU, tiny models, few steps")
+    ap.add_argument("--dry-run", action="store_true", help="print the plan, run nothing")
+    ap.add_argument("--carry", action="store_true", help="copy the anchors to .device-carry")
+    ap.add_argument("--only", default="", help="comma list of run labels")
+    ap.add_argument("--budget-s", type=float, default=float(os.environ.get("BUDGET_S", "540")))
+    ap.add_argument("--out", default=os.environ.get("OUT", str(ROOT / "out-llm-speed")))
+    args = ap.parse_args(argv)
+    if args.carry:
+        return carry()
+    groups = GROUPS if args.group == "all" else tuple(args.group.split(","))
+    items = [i for g in groups for i in plan(g, args.smoke)]
+    if args.only:
+        items = [i for i in items if i.label in set(args.only.split(","))]
+    res_dir, log_dir = Path("/tmp/llm-speed-results"), Path("/tmp/llm-speed-logs")
+    if args.dry_run:
+        for i in items:
+            cmd = (recipes_bench.command(i.recipe, res_dir / f"{i.label}.json") if i.recipe
+                   else anchor_command(i, res_dir / f"{i.label}.json"))
+            env = " ".join(f"{k}={v}" for k, v in (i.recipe.extra_env if i.recipe else {}).items())
+            print(f"[{i.group}] {i.label} (~{i.est_s:.0f} s): {i.row}\n    "
+                  f"{env + ' ' if env else ''}{shlex.join(cmd)}")
+        print(f"{len(items)} runs, ~{sum(i.est_s for i in items):.0f} s estimated")
+        return 0
+    out = Path(args.out)
+    for d in (out, res_dir, log_dir):
+        d.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    summary = {"when": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+               "command": shlex.join(["python3", "bench/llm_speed.py", *(argv or sys.argv[1:])]),
+               "machine": "CPU smoke (numbers mean nothing)" if args.smoke else "GPU",
+               "versions": recipes_bench.versions(), "runs": [], "skipped": []}
+    gpu = (summary["versions"].get("trl") or {}).get("gpu") if isinstance(
+        summary["versions"].get("trl"), dict) else None
+    summary["machine"] = gpu or summary["machine"]
+    for item in items:
+        if time.time() + 0.75 * item.est_s > deadline and not args.smoke:
+            summary["skipped"].append({"run": item.label, "why": "budget"})
+            print(f"--- skipped {item.label}: budget", flush=True)
+            continue
+        if item.recipe is not None:
+            r = recipes_bench.execute(item.recipe, res_dir, log_dir, deadline)
+        else:
+            r = run_anchor(item, res_dir, log_dir, deadline)
+        r["role"] = item.role
+        summary["runs"].append(r)
+        summary["ratios"], summary["loss_checks"] = ratios(summary["runs"]), loss_checks(summary["runs"])
+        summary["elapsed_s"] = round(time.time() - t0, 1)
+        (out / "llm_speed.json").write_text(json.dumps(summary, indent=1, default=str))
+        (out / "llm_speed.md").write_text(markdown(summary))
+    print(markdown(summary) if summary["runs"] else "nothing ran", flush=True)
+    return 0 if all(r["rc"] == 0 for r in summary["runs"]) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

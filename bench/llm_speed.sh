@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# bench/llm_speed.py on the lent GPU, one group per device call (each fits 10 minutes):
+#   GROUP=lora    bash bench/llm_speed.sh   # LoRA anchor A .. recipes, fused by hand .. A
+#   GROUP=full    bash bench/llm_speed.sh   # full anchor A .. ZeRO-3 fast/plain x gpulaunch/accelerate .. A
+#   GROUP=quality bash bench/llm_speed.sh   # LoRA recipes --speed off (the eval-loss baseline)
+# Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
+# .device-carry/anchors (python3 bench/llm_speed.py --carry, here).
+# Writes $OUT/llm_speed.{json,md}, $OUT/llm-speed-logs.tar.gz, $OUT/driver.log.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+t0=$(date +%s)
+OUT=${OUT:-$PWD/out-llm-speed}; GROUP=${GROUP:-lora}
+mkdir -p "$OUT"
+if [ -d .device-carry/llm-whl ]; then
+  stamp=$(ls .device-carry/llm-whl | sha256sum | cut -c1-16)
+  if [ "$(cat /tmp/site/.llm-stamp 2>/dev/null)" != "$stamp" ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target /tmp/site .device-carry/llm-whl/*.whl && echo "$stamp" > /tmp/site/.llm-stamp \
+      || { echo "installing the TRL stack failed"; exit 1; }
+  fi
+fi
+export LLM_SITE_TRL=/tmp/site PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
+echo "installs: $(( $(date +%s) - t0 )) s"
+export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
+export GPULAUNCH_HOME=/tmp/gpulaunch-home GPULAUNCH_TRACKING=0 TORCH_EXTENSIONS_DIR=/tmp/torch-ext
+export GPULAUNCH_LLM_DATA_CACHE=/tmp/llm-data HF_HOME=/tmp/hf-home WANDB_MODE=disabled
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+total=${TOTAL_S:-560}
+budget=$(( total - ($(date +%s) - t0) ))
+python3 bench/llm_speed.py --group "$GROUP" --budget-s "$budget" --out "$OUT" ${ONLY:+--only "$ONLY"} \
+  2>&1 | tee "$OUT/driver.log"
+tar -C /tmp -czf "$OUT/llm-speed-logs.tar.gz" llm-speed-logs 2>/dev/null
+echo "group $GROUP done in $(( $(date +%s) - t0 )) s"

@@ -1,0 +1,64 @@
+"""bench/llm_speed.py without a GPU: its plan and commands (--dry-run), the ratio and loss-check
+arithmetic on hand-made results, and one real anchor row through its CPU mirror (--smoke)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+from conftest import PY, ROOT, python_env
+
+sys.path.insert(0, str(ROOT / "bench"))
+import llm_speed  # noqa: E402
+
+
+def _bench(*args, timeout=300):
+    env = python_env({"PYTHONPATH": str(ROOT / "src"), "HF_HUB_OFFLINE": "1",
+                      "GPULAUNCH_FORCE_CPU": "1"})
+    return subprocess.run([PY, str(ROOT / "bench" / "llm_speed.py"), *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_dry_run_lists_every_group_interleaved_with_its_anchor():
+    p = _bench("--dry-run")
+    assert p.returncode == 0, p.stderr
+    labels = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("[")]
+    assert labels[0] == "anchor_lora_1" and "anchor_lora_2" in labels       # A ... A
+    assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
+    assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
+    assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
+    assert "15 runs" in p.stdout
+
+
+@pytest.mark.unit
+def test_ratios_and_loss_checks():
+    def run(label, role, rate, loss=None):
+        return {"label": label, "role": role, "rc": 0, "row": label,
+                "result": {"steady_tokens_per_second": rate, "eval_loss_after": loss}}
+    runs = [run("anchor_lora_1", "anchor_lora", 50_000), run("anchor_lora_2", "anchor_lora", 52_000),
+            run("lora_ddp_fast", "fast", 61_200, 8.00), run("lora_ddp_plain", "plain", 30_000, 8.10),
+            run("zero3_fast", "fast", 40_000, 7.70), run("zero3_plain", "plain", 16_000, 7.00),
+            run("zero3_plain_accelerate", "accelerate", 20_000),
+            run("anchor_full_1", "anchor_full", 50_000)]
+    r = llm_speed.ratios(runs)
+    assert r["anchor_lora_tokens_per_second"] == 51_000
+    assert r["lora_ddp_fast_vs_anchor_lora"] == 1.2
+    assert r["zero3_fast_vs_accelerate_plain"] == 2.0 and r["zero3_fast_vs_anchor_full"] == 0.8
+    assert r["lora_fsdp_fast_vs_anchor_lora"] is None               # not run: no ratio
+    checks = llm_speed.loss_checks(runs)
+    assert checks["lora_ddp_fast"]["ok"] is True                     # 1.2% apart
+    assert checks["zero3_fast"]["ok"] is False                       # 10% apart
+    md = llm_speed.markdown({"when": "t", "machine": "m", "command": "c", "runs": runs,
+                             "ratios": r, "loss_checks": checks})
+    assert "| 61200 | 1.2 |" in md
+
+
+@pytest.mark.slow
+def test_smoke_runs_one_anchor_row_through_its_cpu_mirror(tmp_path):
+    p = _bench("--smoke", "--only", "anchor_lora_1", "--out", str(tmp_path), timeout=600)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    summary = json.loads((tmp_path / "llm_speed.json").read_text())
+    [row] = summary["runs"]
+    assert row["rc"] == 0 and row["result"]["tok_s"] > 0 and row["result"]["smoke"] is True
+    assert "(`anchor_lora_1`) |" in (tmp_path / "llm_speed.md").read_text()
