@@ -251,7 +251,9 @@ def cmd_cancel(args) -> int:
         if _supervisor_alive(rec):
             os.kill(int(rec["supervisor_pid"]), signal.SIGTERM)
             deadline = time.monotonic() + CANCEL_WAIT_S
-            while not job.state().terminal and _supervisor_alive(job.record()):
+            # until the supervisor is gone, not only until it wrote an end state: it still ends
+            # the job's MLflow run after that, and cancel promises that nothing is left running
+            while _supervisor_alive(job.record()):
                 if time.monotonic() > deadline:
                     raise UserError(f"job {job.job_id} did not stop within {CANCEL_WAIT_S:g} s;"
                                     f" see {job.supervisor_log}")
