@@ -49,6 +49,8 @@ def test_a_tracked_gpu_launch_records_nvml_system_metrics(gpu, record, tmp_path,
     monkeypatch.delenv("MLFLOW_RUN_ID", raising=False)
     handle = distributed(timeout=120, stream_logs="none")(burn).submit(8.0)
     assert all(r >= 1 for r in handle.result(timeout=140))
+    import gpulaunch.tracking
+    assert gpulaunch.tracking.flush(timeout=120)   # the run ends in the background
     run_id = handle.mlflow_run_id
     assert run_id, "the launch made no MLflow run"
     client = MlflowClient(uri)

@@ -528,6 +528,8 @@ def test_tracked_remote_run_is_one_mlflow_run_written_by_every_node(cluster, tmp
 
     handle = fn.submit(False)
     assert handle.result(timeout=BOUND_S) == [0, 1, 2, 3]
+    import gpulaunch.tracking
+    assert gpulaunch.tracking.flush(timeout=120)   # a call's MLflow run ends in the background
     client = MlflowClient(uri)
     run = client.get_run(handle.mlflow_run_id)
     assert run.info.status == "FINISHED"
@@ -545,6 +547,7 @@ def test_tracked_remote_run_is_one_mlflow_run_written_by_every_node(cluster, tmp
     handle = fn.submit(True)
     with pytest.raises(KeyError, match="missing on node 1"):
         handle.result(timeout=BOUND_S)
+    assert gpulaunch.tracking.flush(timeout=120)
     run = client.get_run(handle.mlflow_run_id)
     assert run.info.status == "FAILED"
     report = open(client.download_artifacts(run.info.run_id, "gpulaunch/error.txt")).read()
