@@ -53,7 +53,7 @@ def train(ckpt, steps, dim, layers, device_steps_file):
 
 if __name__ == "__main__":
     starts = distributed(gpus={ranks}, preempt_grace={grace})(train).distributed(
-        {ckpt!r}, {steps}, {dim}, {layers}, {progress!r})
+        {ckpt!r}, int(sys.argv[1]), {dim}, {layers}, {progress!r})
     print("START", starts[0], flush=True)
 '''
 
@@ -73,11 +73,11 @@ def one(args, work: Path, rep: int) -> dict:
     dim = max(16, int((args.params_m * 1e6 / args.layers) ** 0.5))
     script = work / f"train{rep}.py"
     script.write_text(textwrap.dedent(TRAIN.format(
-        ranks=args.ranks, grace=args.grace, ckpt=str(ckpt), steps=args.steps, dim=dim,
+        ranks=args.ranks, grace=args.grace, ckpt=str(ckpt), dim=dim,
         layers=args.layers, progress=str(progress))))
     env = {**os.environ, "GPULAUNCH_HOME": str(home), "GPULAUNCH_TRACKING": "0",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")])}
-    caller = subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE,
+    caller = subprocess.Popen([sys.executable, str(script), "1000000"], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.STDOUT, text=True)
     _wait_lines(progress, args.signal_at, 600)
     sent = time.time()
@@ -86,19 +86,21 @@ def one(args, work: Path, rep: int) -> dict:
     exited = time.time()
     run = sorted((home / "runs").iterdir())[-1]
     saved = json.loads((run / "attempt0" / "preempted.json").read_text())
+    agent_ended = json.loads((run / "status.json").read_text()).get("ended") or 0.0
     size = sum(f.stat().st_size for f in Path(saved["checkpoint"]).rglob("*") if f.is_file())
-    resumed = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
-                             text=True, timeout=900)
+    resumed = subprocess.run([sys.executable, str(script), str(saved["step"] + 2)], env=env,
+                             capture_output=True, text=True, timeout=900)
     start = next((int(line.split()[1]) for line in resumed.stdout.splitlines()
                   if line.startswith("START")), None)
     return {"params_m": round(dim * dim * args.layers / 1e6, 2), "checkpoint_mib": size / 2**20,
             "caller_exit_code": caller.returncode, "step_saved": saved["step"],
             "notice_to_checkpoint_s": saved["saved_at"] - saved["notice"]["received_at"],
             "sigterm_to_notice_s": saved["notice"]["received_at"] - sent,
+            "sigterm_to_agent_end_s": agent_ended - sent,
             "sigterm_to_caller_exit_s": exited - sent,
             "resumed_at_step": start, "resumed_ok": resumed.returncode == 0,
             "caller_message": next((line for line in out.splitlines()
-                                    if "PreemptedError" in line), "")}
+                                    if line.startswith("gpulaunch.errors.PreemptedError")), "")}
 
 
 def main() -> None:
@@ -107,7 +109,6 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--grace", type=float, default=30.0)
-    ap.add_argument("--steps", type=int, default=100_000)
     ap.add_argument("--signal-at", type=int, default=5, help="SIGTERM after this many steps")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--out", required=True)

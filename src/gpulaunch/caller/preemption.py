@@ -63,6 +63,16 @@ def expired_error(run) -> PreemptedError | None:
     notice = getattr(run, "preempt_expired", None)
     if notice is None:
         return None
+    attempts = run.run.attempts()
+    saved = preemption.read_saved(run.run.path, attempts[-1]) if attempts else None
+    if saved is not None:          # saved in time; the ranks' exit was what ran out of time
+        return PreemptedError(
+            f"Preempted ({notice.source}, grace {notice.grace_s:.3g} s): checkpoint of step "
+            f"{saved['step']} saved in {saved['checkpoint']}, "
+            f"{saved['saved_at'] - notice.received_at:.2f} s after the notice; the ranks were "
+            "stopped at the end of the grace period. The next start resumes from it "
+            "(parallel.resume).", step=saved["step"], checkpoint=saved["checkpoint"],
+            run_dir=str(run.run.path))
     return PreemptedError(
         f"Preempted ({notice.source}, grace {notice.grace_s:.3g} s): the grace period ended "
         "before every rank had saved a checkpoint, and every rank was stopped. The next start "
