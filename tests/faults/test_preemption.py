@@ -186,17 +186,20 @@ from test_preemption import _train
 from gpulaunch import distributed
 
 if __name__ == "__main__":
-    out = distributed(gpus=2, preempt_grace=30)(_train).distributed({ckpt!r}, {steps})
+    fn = distributed(gpus=2, preempt_grace=30, keep_alive={warm})(_train)
+    out = fn.distributed({ckpt!r}, {steps})
     torch.save([r["weights"] for r in out], {weights!r})
     print("START", out[0]["start"])
 """
 
 
-def test_sigterm_to_the_caller_checkpoints_and_the_next_start_resumes(tmp_path, clean):
+@pytest.mark.parametrize("warm", [False, True], ids=["cold", "warm"])
+def test_sigterm_to_the_caller_checkpoints_and_the_next_start_resumes(tmp_path, clean, warm):
     ckpt, weights = str(tmp_path / "ck"), str(tmp_path / "w.pt")
     script = tmp_path / "train.py"
     script.write_text(textwrap.dedent(SCRIPT.format(
-        tests=str(ROOT / "tests" / "faults"), tests_root=str(ROOT / "tests"), ckpt=ckpt, steps=STEPS, weights=weights)))
+        tests=str(ROOT / "tests" / "faults"), tests_root=str(ROOT / "tests"), ckpt=ckpt,
+        steps=STEPS, weights=weights, warm=warm)))
     env = python_env()
     first = subprocess.Popen([PY, str(script)], env=env, stdout=subprocess.PIPE,
                              stderr=subprocess.STDOUT, text=True)
@@ -221,6 +224,7 @@ def test_sigterm_to_the_caller_checkpoints_and_the_next_start_resumes(tmp_path, 
             assert torch.equal(x, y)
 
 
+@pytest.mark.unit
 def test_rank_view_sees_a_notice_with_one_stat(tmp_path, monkeypatch):
     from gpulaunch import runtime as rt
     monkeypatch.setenv("GPULAUNCH_RUN_DIR", str(tmp_path))
