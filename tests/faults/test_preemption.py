@@ -234,3 +234,15 @@ def test_rank_view_sees_a_notice_with_one_stat(tmp_path, monkeypatch):
     (tmp_path / preemption.NOTICE_FILE).unlink()
     assert rt.preemption() is None
     assert json.loads(json.dumps(notice.__dict__))["source"] == "test"
+
+
+@pytest.mark.unit
+def test_a_notice_for_a_ray_run_is_refused_by_name(tmp_path):
+    from types import SimpleNamespace
+
+    from gpulaunch.caller import preemption as caller_preemption
+    from gpulaunch.errors import ConfigurationError
+    run = SimpleNamespace(record=SimpleNamespace(backend="ray"), run=SimpleNamespace(path=tmp_path))
+    with pytest.raises(ConfigurationError, match="runs on this host only; this run is on 'ray'"):
+        caller_preemption.post(run, 5, source="test", restart=True)
+    assert preemption.read_notice(tmp_path) is None

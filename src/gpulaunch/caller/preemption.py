@@ -24,7 +24,7 @@ import time
 
 from ..common import preemption
 from ..common.records import StopReason
-from ..errors import PreemptedError
+from ..errors import ConfigurationError, PreemptedError
 
 SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 DEADLINE_SLACK_S = 1.0    # after the deadline, the ranks' own exit may still be on its way
@@ -37,8 +37,18 @@ def grace_of(spec) -> float | None:
         or preemption.env_float(os.environ, preemption.GRACE_ENV)
 
 
+def _on_this_host(run) -> bool:
+    """Notices travel through the run directory on this host: a Ray run's ranks do not read
+    it (each node has its own)."""
+    return getattr(run.record, "backend", "local") == "local"
+
+
 def post(run, grace_s: float | None = None, *, source: str, restart: bool):
     """Post a notice for ``run`` (a RunController) and arm its deadline."""
+    if not _on_this_host(run):
+        raise ConfigurationError(
+            f"preemption notices reach the ranks of runs on this host only; this run is on "
+            f"{run.record.backend!r}. Checkpoint it periodically (save_checkpoint) instead.")
     grace = grace_s if grace_s is not None else (grace_of(run.spec) or 30.0)
     notice = preemption.post_notice(run.run.path, grace, source=source, restart=restart)
     run.preempt_notice = notice
@@ -86,7 +96,8 @@ def notice_signals(run):
     """SIGTERM / SIGUSR1 as preemption notices while the body runs (main thread only, and only
     with a grace period set); the previous handlers come back afterwards."""
     grace = grace_of(run.spec)
-    if grace is None or threading.current_thread() is not threading.main_thread():
+    if grace is None or threading.current_thread() is not threading.main_thread() \
+            or not _on_this_host(run):
         yield
         return
     previous = {}
