@@ -29,6 +29,22 @@ from .checkpoint import save_checkpoint
 __all__ = ["save_on_preemption", "preemption_agreed"]
 
 
+_FLAG_GROUPS: dict = {}
+
+
+def _flag_group(dist):
+    """The group the flag travels on: the default one when it is gloo; else a gloo group of
+    its own (created once, by every rank at the same call), so that on GPUs the per-step check
+    is a CPU exchange that never waits for the GPU's queued work (an NCCL all-reduce read back
+    with ``.item()`` would synchronise the stream every step)."""
+    if dist.get_backend() == "gloo":
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _FLAG_GROUPS:
+        _FLAG_GROUPS[key] = dist.new_group(backend="gloo")
+    return _FLAG_GROUPS[key]
+
+
 def preemption_agreed():
     """The notice if ANY rank has seen one (a collective: call it on every rank at the same
     point), else None."""
@@ -37,9 +53,8 @@ def preemption_agreed():
     if dist is None or dist.get_world_size() == 1:
         return notice
     import torch
-    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
-    flag = torch.tensor([1 if notice is not None else 0], dtype=torch.int32, device=device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+    flag = torch.tensor([1 if notice is not None else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=_flag_group(dist))
     if not int(flag.item()):
         return None
     if notice is None:                  # a peer saw it first; the file is there by now
@@ -52,10 +67,14 @@ def preemption_agreed():
 
 
 def save_on_preemption(path, prepared, *, step: int, loader=None, extra=None, optimizer=None,
-                       keep: int | None = None) -> None:
-    """No notice: return at once (after one tiny all-reduce). A notice: save the checkpoint of
-    ``step`` under ``path`` on every rank (as ``save_checkpoint``), then raise
-    ``PreemptedError``. Call it on every rank, once per step, after the optimizer step."""
+                       keep: int | None = None, every: int = 1) -> None:
+    """No notice: return at once (after one tiny all-reduce on CPU). A notice: save the
+    checkpoint of ``step`` under ``path`` on every rank (as ``save_checkpoint``), then raise
+    ``PreemptedError``. Call it on every rank, once per step, after the optimizer step;
+    ``every=N`` looks only at steps that are multiples of N (very short steps; a notice then
+    waits up to N steps)."""
+    if every > 1 and step % every:
+        return
     notice = preemption_agreed()
     if notice is None:
         return
