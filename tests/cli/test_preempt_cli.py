@@ -10,6 +10,7 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
 from conftest import PY, assert_no_survivors, latest_run_dir, python_env
 
 SCRIPT = """
@@ -32,8 +33,10 @@ rt.print0("START", start, "END", step)
 """
 
 
-def test_sigterm_to_gpulaunch_run_checkpoints_and_the_next_run_resumes(tmp_path,
-                                                                       gpulaunch_home):
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGUSR1], ids=["SIGTERM", "SIGUSR1"])
+def test_a_signal_to_gpulaunch_run_checkpoints_and_the_next_run_resumes(tmp_path,
+                                                                        gpulaunch_home, sig):
+    """SIGTERM: Kubernetes; SIGUSR1: Slurm's ``--signal=B:USR1@N`` to an exec'd launcher."""
     script, ckpt = tmp_path / "train.py", str(tmp_path / "ck")
     script.write_text(SCRIPT)
     cmd = [PY, "-m", "gpulaunch", "run", "--nproc-per-node", "2"]
@@ -45,10 +48,10 @@ def test_sigterm_to_gpulaunch_run_checkpoints_and_the_next_run_resumes(tmp_path,
     while not (prog.exists() and len(prog.read_text().split()) >= 4):
         assert time.monotonic() < deadline and first.poll() is None, "never reached step 4"
         time.sleep(0.05)
-    first.send_signal(signal.SIGTERM)
+    first.send_signal(sig)
     out, _ = first.communicate(timeout=90)
     assert first.returncode != 0
-    m = re.search(r"gpulaunch: Preempted \(SIGTERM to the caller, grace 20 s\): checkpoint of "
+    m = re.search(rf"gpulaunch: Preempted \({sig.name} to the caller, grace 20 s\): checkpoint of "
                   r"step (\d+) saved in .*the next start resumes from it", out)
     assert m, out[-3000:]
     assert_no_survivors(latest_run_dir(gpulaunch_home))
