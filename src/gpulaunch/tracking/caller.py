@@ -12,6 +12,7 @@ Every MLflow call is guarded and time-bounded: a broken store costs a warning, n
 
 from __future__ import annotations
 
+import functools
 import getpass
 import importlib.metadata
 import logging
@@ -25,7 +26,7 @@ from pathlib import Path
 from ..common import private, redact
 from ..common.records import RunState
 from ..common.rundir import RunDir, hostname, read_json, write_json_atomic
-from . import settings, store
+from . import node, settings, store
 from .settings import Tracking
 
 TRACKING_JSON = "tracking.json"
@@ -35,6 +36,8 @@ _STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED",
 _VERSIONS = ("torch", "gpulaunch", "mlflow", "transformers", "accelerate", "trl", "peft",
              "deepspeed", "lightning", "ray", "nvidia-ml-py")
 _warned: set[str] = set()
+# (store, experiment id, experiment name) -> (client, experiment id, name), once opened
+_OPENED: dict[tuple, tuple] = {}
 LAYOUT_PARAMS = ("world_size", "nproc_per_node", "nnodes")
 
 
@@ -49,7 +52,9 @@ def warn_once(what: str, detail: str = "") -> None:
     sys.stderr.flush()
 
 
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
+    # once per process: importlib.metadata scans sys.path (milliseconds a distribution)
     out = {"python": platform.python_version()}
     for dist in _VERSIONS:
         try:
@@ -101,6 +106,7 @@ class CallTracker:
         self.timeout = settings.setup_timeout()
         self.info: dict | None = None                # run_id, experiment, uri once created
         self._ready = threading.Event()
+        node.LOCAL_READY[str(run.path)] = self._ready     # an in-process node hook waits on it
         self._ended = False
         self._client = None
         self._thread = threading.Thread(target=self._setup, name="gpulaunch-mlflow-setup",
@@ -132,19 +138,21 @@ class CallTracker:
     # ------------------------------------------------------------------ setup (thread)
     def _setup(self) -> None:
         try:
-            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-            from mlflow.tracking import MlflowClient
             t = self.target
-            # MLflow's "Creating initial MLflow database tables..." INFO lines: not the user's
-            logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-            logging.getLogger("alembic").setLevel(logging.WARNING)
-            with store.sqlite_create_lock(t.tracking_uri):
-                client = MlflowClient(t.tracking_uri)
-                exp_id, exp_name = self._experiment(client)
-                if t.default_store:       # our sqlite file: owner-only, like the rest of home
-                    private.tighten(t.tracking_uri[len("sqlite:///"):])
-            run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
-                                    tags=self._tags())
+            key = (t.tracking_uri, t.experiment_id, t.experiment_name)
+            opened = _OPENED.get(key)
+            try:
+                client, exp_id, exp_name = opened or self._open()
+                run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
+                                        tags=self._tags())
+            except Exception:  # noqa: BLE001 - the experiment deleted since? look it up again
+                _OPENED.pop(key, None)
+                if opened is None:
+                    raise
+                client, exp_id, exp_name = self._open()
+                run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
+                                        tags=self._tags())
+            _OPENED[key] = (client, exp_id, exp_name)
             run_id = run.info.run_id
             if self._ready.is_set():     # given up already: the ranks run untracked
                 client.set_terminated(run_id, "KILLED")
@@ -168,6 +176,22 @@ class CallTracker:
         except BaseException as e:  # noqa: BLE001 - tracking must never fail the launch
             warn_once("could not create the run", f"{type(e).__name__}: {e}")
             self._publish(None)
+
+    def _open(self):
+        """The store's client and the run's experiment (created if new): a first sqlite store
+        takes seconds to build, so later calls of this process reuse what this found."""
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.tracking import MlflowClient
+        t = self.target
+        # MLflow's "Creating initial MLflow database tables..." INFO lines: not the user's
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        with store.sqlite_create_lock(t.tracking_uri):
+            client = MlflowClient(t.tracking_uri)
+            exp_id, exp_name = self._experiment(client)
+            if t.default_store:       # our sqlite file: owner-only, like the rest of home
+                private.tighten(t.tracking_uri[len("sqlite:///"):])
+        return client, exp_id, exp_name
 
     def _experiment(self, client) -> tuple[str, str]:
         """The experiment's id and name, created (with our artifact root) if it is new."""
@@ -327,7 +351,8 @@ class CallTracker:
         if RunState(state) is not RunState.SUCCEEDED and backend_run is not None:
             report = _error_report(backend_run)
             if report:
-                (run.path / "error.txt").write_text(report)
+                with private.open_file(run.path / "error.txt") as f:
+                    f.write(report)
         for name in ("status.json", "launch.json", "agent.log", "hang.json", "error.txt",
                      TRACKING_JSON):
             path = run.path / name
