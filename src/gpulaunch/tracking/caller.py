@@ -109,12 +109,13 @@ class CallTracker:
         node.LOCAL_READY[str(run.path)] = self._ready     # an in-process node hook waits on it
         self._ended = False
         self._client = None
+        # If setup hangs (an unreachable server retries for minutes), tell the agent to go on.
+        # Made before the setup starts: a quick setup cancels it at once.
+        self._watchdog = threading.Timer(self.timeout, self._give_up)
+        self._watchdog.daemon = True
         self._thread = threading.Thread(target=self._setup, name="gpulaunch-mlflow-setup",
                                         daemon=True)
         self._thread.start()
-        # If setup hangs (an unreachable server retries for minutes), tell the agent to go on.
-        self._watchdog = threading.Timer(self.timeout, self._give_up)
-        self._watchdog.daemon = True
         self._watchdog.start()
 
     # ------------------------------------------------------------------ identity
