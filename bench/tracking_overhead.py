@@ -1,11 +1,15 @@
 """What MLflow tracking adds to a call: tracked and untracked calls of the same function,
 interleaved in one process (so load and warm-up hit both alike), medians and their difference.
 
-    python bench/tracking_overhead.py [--calls 5] [--ranks 2] [--warm] [--out DIR]
+    python bench/tracking_overhead.py [--calls 5] [--ranks 2] [--warm] [--home DIR] [--out DIR]
 
 Default: cold calls (a fresh agent each). --warm: both on keep_alive pools (the untracked call
 then costs a fraction of a second, so the tracking cost is what is left). Target: tracked <=
 untracked + 0.1 s (docs/reliability.md).
+
+The calls run in a fresh GPULAUNCH_HOME (a temporary folder, removed at the end) unless
+--home names one: every launch prunes old run directories in a background thread of the
+caller, and a home with a thousand runs makes that scan, not tracking, the noise of a warm call.
 """
 
 from __future__ import annotations
@@ -13,11 +17,14 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
+import tempfile
 import time
 from pathlib import Path
 
 from gpulaunch import distributed, shutdown
+from gpulaunch.tracking import flush
 
 
 def step() -> int:
@@ -36,9 +43,12 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=5)
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--warm", action="store_true")
+    ap.add_argument("--home", default=None)
     ap.add_argument("--out", default=None)
     a = ap.parse_args()
     os.environ.setdefault("GPULAUNCH_QUIET", "1")
+    fresh = None if a.home else tempfile.mkdtemp(prefix="gpulaunch-trackbench-")
+    os.environ["GPULAUNCH_HOME"] = a.home or fresh
     keep = 120 if a.warm else False
     fns = {"untracked": distributed(gpus=a.ranks, tracking=False, keep_alive=keep,
                                     stream_logs="none")(step),
@@ -53,10 +63,14 @@ def main() -> None:
             assert fn.distributed() == [a.ranks] * a.ranks
             times[name].append(round(time.perf_counter() - t0, 3))
     shutdown()
+    if fresh:
+        flush(timeout=300)
+        shutil.rmtree(fresh, ignore_errors=True)
     med = {k: statistics.median(v) for k, v in times.items()}
     row = {"ranks": a.ranks, "warm": a.warm, "calls": a.calls, "times_s": times,
            "median_s": med, "extra_s": round(med["tracked"] - med["untracked"], 3),
-           "ratio": round(med["tracked"] / med["untracked"], 3)}
+           "ratio": round(med["tracked"] / med["untracked"], 3),
+           "load_average": [round(x, 2) for x in os.getloadavg()], "cpus": os.cpu_count()}
     print(json.dumps(row))
     if a.out:
         Path(a.out).mkdir(parents=True, exist_ok=True)

@@ -33,6 +33,7 @@ class TrackingCallback(RunCallback):
         except Exception as e:  # noqa: BLE001 - tracking never fails the launch
             warn_once("could not start", f"{type(e).__name__}: {e}")
             return None
+        _calls(+1)
         if ctx.remote:
             return None            # the nodes cannot read our run directory: node_fields()
         return dict(self.tracker.launch_fields(), hook=NODE_HOOK)
@@ -68,9 +69,12 @@ class TrackingCallback(RunCallback):
         background thread (in order, call after call), which waits while another call runs
         (``_when_idle``); ``flush()`` and the interpreter's exit wait for them."""
         if self.tracker is not None:
+            self.tracker.call_over()
+            _calls(-1)
             with _LOCK:
                 _PENDING[:] = [f for f in _PENDING if not f.done()]
-                _PENDING.append(_ender().submit(_when_idle, self.tracker.end, str(state), run))
+                _PENDING.append(_ender().submit(self.tracker.end, str(state), run,
+                                                _IdleGate().wait))
 
     def run_id(self) -> str | None:
         if self.tracker is None:
@@ -93,20 +97,44 @@ _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 # waits while a call of this process runs, at most END_DEFER_MAX_S (calls back to back must
 # not keep their runs RUNNING), and its thread runs at a lower CPU priority.
 END_DEFER_MAX_S = 10.0
+END_QUIET_S = 0.3
 END_NICE = 10
+
+
+_STARTING = 0      # tracked calls between on_launch and on_end (ACTIVE has them only later)
+
+
+def _calls(delta: int) -> None:
+    global _STARTING
+    with _LOCK:
+        _STARTING += delta
 
 
 def _busy() -> bool:
     from ..caller.registry import ACTIVE
-    return bool(ACTIVE.runs())
+    return _STARTING > 0 or bool(ACTIVE.runs())
 
 
-def _when_idle(fn, *args):
-    deadline = time.monotonic() + END_DEFER_MAX_S
-    # the interpreter's exit (main thread gone) waits for us: no reason to wait for calls then
-    while _busy() and time.monotonic() < deadline and threading.main_thread().is_alive():
-        time.sleep(0.05)
-    return fn(*args)
+class _IdleGate:
+    """``wait()`` returns once no call of this process has run for END_QUIET_S (calls in a
+    loop follow each other within milliseconds, and a call registers as running only after
+    its start), or END_DEFER_MAX_S after the gate's first wait (an end made to wait longer
+    runs beside the calls)."""
+
+    def __init__(self):
+        self.deadline: float | None = None
+        self.last_busy = time.monotonic()       # the call that just ended
+
+    def wait(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + END_DEFER_MAX_S
+        while threading.main_thread().is_alive():   # at the interpreter's exit: no more calls
+            now = time.monotonic()
+            if _busy():
+                self.last_busy = now
+            if now - self.last_busy >= END_QUIET_S or now >= self.deadline:
+                return
+            time.sleep(0.02)
 
 
 def _lower_priority() -> None:
