@@ -3,6 +3,7 @@
 # what each side runs). One device call per precision keeps each call inside the 10 minutes:
 #   PRECISIONS=bf16 bash bench/torchtitan_gpu.sh     # carry .device-carry/titan-whl
 #   PRECISIONS=fp8  bash bench/torchtitan_gpu.sh
+#   ROUNDS=1 PRECISIONS=bf16,fp8 bash bench/torchtitan_gpu.sh   # one interleaved round of each, one call
 #   SMOKE=1 PY=<venv>/bin/python bash bench/torchtitan_gpu.sh   # here, on CPU: --dry-run, tiny shapes
 # Build what is carried first, here:  bash bench/torchtitan_gpu_wheels.sh
 # Writes $OUT/torchtitan-<precisions>.json and driver-<precisions>.log.
@@ -27,6 +28,7 @@ budget=$(( total - ($(date +%s) - t0) ))
 tag=${PRECISIONS//,/-}
 "${PY:-python3}" bench/torchtitan_gpu.py --precisions "$PRECISIONS" --budget-s "$budget" \
   ${SMOKE:+--dry-run} ${LAYERS:+--layers "$LAYERS"} ${RECIPE:+--fp8-recipe "$RECIPE"} \
+  ${ROUNDS:+--rounds "$ROUNDS"} ${STEPS:+--steps "$STEPS"} \
   --out "$OUT/torchtitan-$tag.json" 2>&1 | tee "$OUT/driver-$tag.log"
 rc=${PIPESTATUS[0]}
 echo "done in $(( $(date +%s) - t0 )) s (exit $rc)"
