@@ -10,6 +10,7 @@ import concurrent.futures
 import os
 import threading
 import time
+import weakref
 
 from ..caller.callbacks import LaunchContext, RunCallback
 from ..common.rundir import hostname
@@ -33,7 +34,7 @@ class TrackingCallback(RunCallback):
         except Exception as e:  # noqa: BLE001 - tracking never fails the launch
             warn_once("could not start", f"{type(e).__name__}: {e}")
             return None
-        _calls(+1)
+        _CALLS.add(self.tracker)
         if ctx.remote:
             return None            # the nodes cannot read our run directory: node_fields()
         return dict(self.tracker.launch_fields(), hook=NODE_HOOK)
@@ -70,7 +71,6 @@ class TrackingCallback(RunCallback):
         (``_when_idle``); ``flush()`` and the interpreter's exit wait for them."""
         if self.tracker is not None:
             self.tracker.call_over()
-            _calls(-1)
             with _LOCK:
                 _PENDING[:] = [f for f in _PENDING if not f.done()]
                 _PENDING.append(_ender().submit(self.tracker.end, str(state), run,
@@ -101,18 +101,14 @@ END_QUIET_S = 0.3
 END_NICE = 10
 
 
-_STARTING = 0      # tracked calls between on_launch and on_end (ACTIVE has them only later)
-
-
-def _calls(delta: int) -> None:
-    global _STARTING
-    with _LOCK:
-        _STARTING += delta
+# Tracked calls from on_launch on (ACTIVE has a run only once it started); weak, so that a
+# launch that failed before its end was told cannot hold the ends back.
+_CALLS: "weakref.WeakSet[CallTracker]" = weakref.WeakSet()
 
 
 def _busy() -> bool:
     from ..caller.registry import ACTIVE
-    return _STARTING > 0 or bool(ACTIVE.runs())
+    return any(not t.over for t in list(_CALLS)) or bool(ACTIVE.runs())
 
 
 class _IdleGate:

@@ -217,6 +217,10 @@ class CallTracker(RunEnd):
         """The call ended (its MLflow end is still to come)."""
         self._over.set()
 
+    @property
+    def over(self) -> bool:
+        return self._over.is_set()
+
     def _log_params_once(self, client, run_id: str) -> None:
         with self._lock:
             if self._params_logged:
