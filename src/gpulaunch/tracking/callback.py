@@ -68,7 +68,7 @@ class TrackingCallback(RunCallback):
     def on_end(self, run, state) -> None:
         """Off the call's path: the uploads, the plot and the final status go to one
         background thread (in order, call after call), which waits while another call runs
-        (``_when_idle``); ``flush()`` and the interpreter's exit wait for them."""
+        (``_IdleGate``); ``flush()`` and the interpreter's exit wait for them."""
         if self.tracker is not None:
             self.tracker.call_over()
             with _LOCK:
@@ -91,11 +91,11 @@ _PENDING: list[concurrent.futures.Future] = []
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
 
-# A run's end is ~0.1-0.3 s of Python (sqlite, file copies, matplotlib). Run beside a call in
-# this process it takes the GIL from the caller's loop that hands work to the ranks and reads
-# their answers: a busy thread made a 0.01 s warm call take 0.2 s (0.05 s niced). So an end
-# waits while a call of this process runs, at most END_DEFER_MAX_S (calls back to back must
-# not keep their runs RUNNING), and its thread runs at a lower CPU priority.
+# A run's end is 0.1-0.3 s of SQLite transactions, file copies and a matplotlib plot. Beside a
+# call of this process it takes the GIL from the caller's loop that hands work to the ranks and
+# reads their answers (a busy Python thread made a 0.01 s warm call take 0.2 s; 0.05 s when
+# niced). So an end waits while calls of this process run, at most END_DEFER_MAX_S (calls back
+# to back must not keep their runs RUNNING for ever), and its thread runs at a lower priority.
 END_DEFER_MAX_S = 10.0
 END_QUIET_S = 0.3
 END_NICE = 10
