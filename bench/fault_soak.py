@@ -50,7 +50,7 @@ def faulty(kind: str, bad_rank: int, flood_mb: int) -> int:
     import torch.distributed as dist
 
     from gpulaunch import runtime as rt
-    rt.init()
+    device = rt.init()               # gloo on CPU workers, NCCL on GPUs
     rank = rt.get_global_rank()
     if rank == bad_rank:
         if kind == "raise":
@@ -68,7 +68,7 @@ def faulty(kind: str, bad_rank: int, flood_mb: int) -> int:
             for _ in range(flood_mb * 1024):
                 sys.stdout.write(line)
             sys.stdout.flush()
-    t = torch.ones(1)
+    t = torch.ones(1, device=device)
     dist.all_reduce(t)
     rt.report(step=0, value=float(t.item()))      # rank<r>.metrics.jsonl under the home
     return rank
