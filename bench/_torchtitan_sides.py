@@ -97,9 +97,12 @@ def _titan_spec(shape: dict, a):
 
 
 def titan_worker(a, shape: dict) -> dict:
+    # before torchtitan is imported: 0.2.2's ConfigManager.parse_args(args=sys.argv[1:]) takes
+    # its default at import time, so a later sys.argv is never read (seen on the GPU, exit 2)
+    argv = titan_argv(a, a.precision)
+    sys.argv = ["torchtitan.train"] + argv
     import torch
     spec, args = _titan_spec(shape, a)
-    argv = titan_argv(a, a.precision)
     if a.dry_run and not torch.cuda.is_available():
         # torchtitan trains on CUDA only: here, check its configuration and model instead
         from torchtitan.config import ConfigManager
@@ -124,7 +127,6 @@ def titan_worker(a, shape: dict) -> dict:
                     MARKS["peak"] = torch.cuda.max_memory_allocated()
                     MARKS["params"] = sum(p.numel() for m in self.model_parts for p in m.parameters())
 
-    sys.argv = ["torchtitan.train"] + argv
     tt.main(TimedTrainer)
     dt = MARKS[total] - MARKS[a.warmup]
     return {"side": "titan", "precision": a.precision, "tokens_per_s": a.batch * a.seq * a.steps / dt,

@@ -149,3 +149,11 @@ def test_ray_multinode_smoke(tmp_path):
 
 # Not here: bench/gpu_checks.py needs a GPU (NCCL, CUDA OOM) and has no CPU mode; the .sh scripts
 # only build wheels or chain the GPU runs.
+
+
+def test_preempt_checkpoint_smoke(tmp_path):
+    _run("preempt_checkpoint.py", "--params-m", "0.2", "--reps", "1", out=tmp_path)
+    (row,) = json.loads((tmp_path / "preempt_checkpoint.json").read_text())["results"]
+    assert row["caller_exit_code"] != 0 and row["resumed_ok"], row
+    assert row["resumed_at_step"] == row["step_saved"] >= 5
+    assert 0 < row["notice_to_checkpoint_s"] < 30 and "checkpoint of step" in row["caller_message"]

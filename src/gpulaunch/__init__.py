@@ -37,6 +37,7 @@ from .errors import (
                      LaunchError,
                      LocalExecutionTimeoutError,
                      NodeLostError,
+                     PreemptedError,
                      RemoteError,
                      RunCancelledError,
                      RunError,
@@ -58,5 +59,5 @@ __all__ = [
     "GPUValidationError", "GPUTypeError", "ArgumentError", "SerializationError", "RunError",
     "WorkerCrashError", "RemoteError", "RunTimeoutError", "LocalExecutionTimeoutError",
     "HangError", "RunCancelledError", "LaunchError", "NodeLostError", "StateDroppedError",
-    "shutdown",
+    "PreemptedError", "shutdown",
 ]

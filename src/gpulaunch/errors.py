@@ -151,6 +151,26 @@ class NodeLostError(WorkerCrashError):
         self.node_rank = node_rank
 
 
+class PreemptedError(RunError):
+    """The run was preempted (a notice with a grace period: SIGTERM or SIGUSR1 to the caller,
+    ``handle.preempt()``) and stopped. ``step`` and ``checkpoint``: the checkpoint saved for the
+    notice (None when none was complete within the grace period); the next start resumes from
+    the newest complete checkpoint (``parallel.resume``)."""
+
+    def __init__(self, message: str, *, step: int | None = None,
+                 checkpoint: str | None = None, **kw):
+        super().__init__(message, **kw)
+        self.step = step
+        self.checkpoint = checkpoint
+
+    def __reduce__(self):                         # travels from the rank to the caller
+        return (_rebuild_preempted, (self.args[0], self.step, self.checkpoint, self.rank))
+
+
+def _rebuild_preempted(message, step, checkpoint, rank):
+    return PreemptedError(message, step=step, checkpoint=checkpoint, rank=rank)
+
+
 class LaunchError(RunError):
     """The processes could not be started (agent failed, rendezvous failed, ...)."""
 

@@ -48,6 +48,14 @@ def restarts(value) -> int:
     return int(value)
 
 
+def preemptions(value) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ConfigurationError(f"max_preemptions must be an int >= 0, got {value!r}.")
+    return int(value)
+
+
 def normalize_stream_logs(value) -> str | tuple[int, ...]:
     if value is True:
         return "all"

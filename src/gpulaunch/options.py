@@ -85,6 +85,19 @@ class LaunchOptions:
     max_restarts: int = setting(
         0, "restart the whole group this many times after a failure.", check=checks.restarts,
         cli=Cli(("--max-restarts", "--max_restarts"), int, {"metavar": "N"}))
+    max_preemptions: int | None = setting(
+        None, "restart the group here this many times after a preemption notice it saved a "
+        "checkpoint for (parallel.save_on_preemption; None: 0, the run stops with "
+        "PreemptedError and the next start resumes); counted apart from max_restarts "
+        "(docs/fault-tolerance.md, Preemption).", check=checks.preemptions,
+        rank_env="GPULAUNCH_MAX_PREEMPTIONS",
+        cli=Cli(("--max-preemptions",), int, {"metavar": "N"}))
+    preempt_grace: float | None = setting(
+        None, "seconds a preemption notice leaves for the checkpoint: with it set, SIGTERM or "
+        "SIGUSR1 to the caller during a call is a notice (the ranks save, then the call raises "
+        "PreemptedError) instead of an end. Default: $GPULAUNCH_PREEMPT_GRACE_S, else off.",
+        check=checks.seconds("preempt_grace"), rank_env="GPULAUNCH_PREEMPT_GRACE_S",
+        cli=Cli(("--preempt-grace",), checks.cli_seconds, {"metavar": "S"}))
     shutdown_grace: float = setting(
         constants.DEFAULT_SHUTDOWN_GRACE_S, "seconds between SIGTERM and SIGKILL when ranks are "
         "stopped.", check=checks.seconds("shutdown_grace", allow_none=False),

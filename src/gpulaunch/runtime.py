@@ -25,7 +25,8 @@ from .rank.watchdog import heartbeat
 
 __all__ = ["get_global_rank", "get_local_rank", "get_world_size", "get_local_world_size",
            "get_node_rank", "get_replica_rank", "get_restart_count", "get_run_dir", "is_main",
-           "print0", "device", "init", "barrier", "shutdown", "heartbeat", "state"]
+           "print0", "device", "init", "barrier", "shutdown", "heartbeat", "state",
+           "preemption"]
 
 # Per-rank state that persists across the calls of one warm pool (keep_alive=): see
 # rank/state.py (the pool's rank process holds the same object).
@@ -91,6 +92,15 @@ def get_restart_count() -> int:
 
 def get_run_dir() -> str | None:
     return os.environ.get("GPULAUNCH_RUN_DIR")
+
+
+def preemption():
+    """The preemption notice of this run (``PreemptionNotice``: ``deadline``, ``remaining()``,
+    ``source``, ``restart``), or None. Cheap enough to call every step (one ``os.stat``); the
+    ranks may see it one step apart, so act on it through ``parallel.save_on_preemption``,
+    which makes every rank agree (docs/fault-tolerance.md, "Preemption")."""
+    from .common.preemption import RANK_VIEW
+    return RANK_VIEW.current()
 
 
 def is_main() -> bool:

@@ -31,6 +31,7 @@ from typing import Callable
 from ..common import constants
 from ..common.records import LaunchRecord, NodeState, RunState, StopReason
 from ..common.rundir import RunDir
+from . import preemption
 from .registry import ACTIVE
 
 
@@ -42,6 +43,10 @@ class RunController:
     # Stacks on demand (``handle.stacks()``): a backend whose ranks the caller cannot signal
     # by pid (Ray) sets a method that has them dump; None: the caller signals the pids.
     dump_stacks: Callable[[], None] | None = None
+    # A preemption notice posted for this run (caller/preemption.py), and the one whose grace
+    # period ran out before the ranks had stopped.
+    preempt_notice = None
+    preempt_expired = None
 
     def __init__(self, record: LaunchRecord, run: RunDir, *, callbacks=None):
         self.record, self.spec, self.run, self.label = record, record.spec, run, record.label
@@ -109,6 +114,8 @@ class RunController:
             if not self.finished and self._deadline is not None \
                     and time.monotonic() > self._deadline:
                 self.stop(StopReason.TIMEOUT)
+            if self.preempt_notice is not None:
+                preemption.check_deadline(self)
             return self.finished
 
     step = poll   # the Ray node actor's spelling (a node's local run, no callbacks)

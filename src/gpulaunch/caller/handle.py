@@ -7,6 +7,7 @@ import time
 
 from ..common.records import RunState, StopReason
 from ..errors import LaunchError
+from . import preemption
 from .logstream import tail_text
 from .outcome import settle
 
@@ -96,7 +97,8 @@ class RunHandle:
         """Follow the run in this thread to its end and return ``result()``; Ctrl-C or a
         notebook's stop button stops every rank. (``.distributed()`` is ``submit`` + this.)"""
         try:
-            self._poll()
+            with preemption.notice_signals(self._run):   # SIGTERM/SIGUSR1: a notice, if on
+                self._poll()
         except Exception as e:  # following failed (not the run): same as submit()
             _stop_quietly(self._run)
             raise _lost_track(self._run, e) from e
@@ -112,11 +114,42 @@ class RunHandle:
                                "(this did not stop it; call cancel() to stop it)")
         if self._follow_error is not None:
             raise _lost_track(self._run, self._follow_error) from self._follow_error
+        expired = preemption.expired_error(self._run)
+        if expired is not None:
+            raise expired
         return settle(self._run.outcome())
 
     def cancel(self) -> None:
         """Stop every rank now (SIGTERM, then SIGKILL after the grace period)."""
         self._run.stop(StopReason.CANCELLED)
+
+    def preempt(self, grace_s: float | None = None, *, restart: bool = True,
+                source: str = "handle.preempt()"):
+        """A preemption notice for this run: every rank sees it (``rt.preemption()``) and saves
+        a checkpoint (``parallel.save_on_preemption``) within ``grace_s`` seconds (default:
+        ``preempt_grace=``, else 30). ``restart=True``: the run then restarts from it here
+        (``max_preemptions``); False: it stops with ``PreemptedError``. The hook for a node
+        drain or a cloud's preemption notice; returns the ``PreemptionNotice``."""
+        return preemption.post(self._run, grace_s, source=source, restart=restart)
+
+    @property
+    def attempts(self) -> list:
+        """Every earlier attempt of this run that ended before its last (``AttemptRecord``:
+        ``attempt``, ``cause``, ``failures``, ``preempted``)."""
+        try:
+            return list(self._run.run.status(0).history)
+        except Exception:  # noqa: BLE001 - no status yet
+            return []
+
+    @property
+    def preemptions(self) -> int:
+        """Attempts stopped by a preemption notice and restarted (``max_preemptions``)."""
+        return sum(1 for a in self.attempts if a.preempted)
+
+    @property
+    def failures(self) -> int:
+        """Attempts that failed and were restarted (``max_restarts``)."""
+        return sum(1 for a in self.attempts if not a.preempted)
 
     def stacks(self, native: bool | None = None):
         """Every rank's current Python stack (rank -> text; ``print()`` it for the report in

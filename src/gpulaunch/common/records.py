@@ -214,6 +214,7 @@ class AttemptRecord(Record):
     ended: float
     failures: dict[int, RankExit] = dataclasses.field(default_factory=dict)
     cause: str = ""               # the attempt's root cause in words, when the caller knew it
+    preempted: bool = False       # stopped for a preemption notice (max_preemptions), not failed
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,6 +34,7 @@ from .data import (
 from .export import export
 from .loss import chunked_cross_entropy
 from .mesh import Mesh
+from .preemption import save_on_preemption
 from .resume import resume
 from .strategies import (
     PRECISIONS,
@@ -49,5 +50,5 @@ __all__ = [
     "PRECISIONS", "STRATEGIES", "DistributedLoader", "Mesh", "ParallelError", "PrepareSettings", "Prepared", "ShardedFileDataset",
     "chunked_cross_entropy", "deepspeed_config", "distributed_loader", "estimate_training_bytes",
     "export", "find_blocks", "latest_checkpoint", "list_checkpoints", "load_checkpoint", "prepare",
-    "read_lines", "resume", "save_checkpoint", "seed_everything", "wait_for_checkpoint",
+    "read_lines", "resume", "save_checkpoint", "save_on_preemption", "seed_everything", "wait_for_checkpoint",
 ]

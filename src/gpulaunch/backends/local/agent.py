@@ -35,8 +35,8 @@ from torch.distributed.elastic.agent.server.api import WorkerSpec
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.api import LogsDest, LogsSpecs
 
-from ...caller.failure_policy import FailurePolicy
-from ...common import constants, procutil, redact
+from ...caller.failure_policy import Decision, FailurePolicy
+from ...common import constants, preemption, procutil, redact
 from ...common.records import (
     RECORD_VERSION,
     LaunchRecord,
@@ -144,9 +144,10 @@ def _drop_payload_when_loaded(run: RunDir, agent: ElasticAgent, spec,
     drops it in any case."""
     if not run.payload.exists():
         return
+    last = spec.max_restarts + preemption.max_preemptions(os.environ)   # set by _worker_env
     while not stop_event.wait(0.2):
         attempt = agent.attempt
-        if attempt >= spec.max_restarts and run.loaded_count(attempt) >= spec.nproc_per_node:
+        if attempt >= last and run.loaded_count(attempt) >= spec.nproc_per_node:
             run.drop_payload()
             return
 
@@ -283,18 +284,34 @@ def main(argv: list[str] | None = None) -> int:
 
         # torchelastic's loop restarts (the budget: spec.max_restarts); the history is the
         # same FailurePolicy's as the pool's and Ray's
-        policy = FailurePolicy(spec.max_restarts)
+        policy = FailurePolicy(spec.max_restarts, preemption.max_preemptions(os.environ))
         policy.history = list(status.status.history)
 
+        def preempted(attempt):
+            """Did this attempt stop for a preemption notice (its checkpoint saved)? Then
+            restart it under max_preemptions, or stop when the notice allows no restart."""
+            saved = preemption.read_saved(run.path, attempt)
+            if saved is None:
+                return None
+            if saved["notice"].get("restart") and policy.decide(attempt, preempted=True) \
+                    is not Decision.GIVE_UP:
+                return "restart"
+            return "stop"
+
         def on_restart(attempt, exits):
-            policy.record(attempt, "", exits)
+            saved = preemption.read_saved(run.path, attempt)
+            cause = (f"preempted: checkpoint of step {saved['step']} saved in "
+                     f"{saved['checkpoint']}" if saved else "")
+            policy.record(attempt, cause, exits, preempted=saved is not None)
+            if saved is not None:
+                preemption.archive_notice(run.path, attempt)
             status.update(state=NodeState.RESTARTING, history=list(policy.history))
 
         agent = ElasticAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                              shutdown_grace=spec.shutdown_grace,
                              before_start=lambda wg: rdzv.before_starting_ranks(),
                              on_started=on_started, on_restart=on_restart,
-                             first_attempt=placement.first_attempt)
+                             first_attempt=placement.first_attempt, preempted=preempted)
         if spec.hang_timeout:
             threading.Thread(target=_watch_hangs, daemon=True,
                              args=(run, agent, status, spec.device, stop_event,

@@ -66,11 +66,14 @@ class ElasticAgent(LocalElasticAgent):
     before_start(worker_group)              rendezvous ordering (multi-node), before forks
     on_started(pids, attempt, forked_at)    {global rank: pid} once every rank is running
     on_restart(attempt, exits)              an attempt failed and the next one starts
+    preempted(attempt)                      a failed attempt was preempted: "restart" (without
+                                            spending max_restarts), "stop", or None (a failure)
     """
 
     def __init__(self, spec, *, logs_specs, start_method: str, shutdown_grace: float,
                  before_start: Callable | None = None, on_started: Callable | None = None,
-                 on_restart: Callable | None = None, first_attempt: int = 0):
+                 on_restart: Callable | None = None, first_attempt: int = 0,
+                 preempted: Callable | None = None):
         kw = {}
         if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
             kw["shutdown_timeout"] = max(1, int(round(shutdown_grace)))
@@ -79,6 +82,7 @@ class ElasticAgent(LocalElasticAgent):
         self.before_start = before_start
         self.on_started = on_started
         self.on_restart = on_restart
+        self.preempted = preempted
         self._last_result = None
         self._attempt = first_attempt
         if first_attempt:
@@ -144,8 +148,22 @@ class ElasticAgent(LocalElasticAgent):
         result = super()._monitor_workers(worker_group)
         if self._start_method == "fork" and result.state == WorkerState.HEALTHY:
             result = self._forked_success(worker_group) or result
+        if result.state in (WorkerState.FAILED, WorkerState.UNHEALTHY) \
+                and self.preempted is not None:
+            self._count_preemption(worker_group, self.preempted(self._attempt))
         self._last_result = result
         return result
+
+    def _count_preemption(self, worker_group, verdict: str | None) -> None:
+        """A preempted attempt is restarted outside torchelastic's restart budget: one more
+        restart in the spec and in the remaining count, so that its decrement spends the
+        preemption's and the attempt numbers (TORCHELASTIC_RESTART_COUNT, attempt<k>/) go on;
+        a preemption that must not restart here stops the loop whatever the budget."""
+        if verdict == "restart":
+            worker_group.spec.max_restarts += 1
+            self._remaining_restarts += 1
+        elif verdict == "stop":
+            self._remaining_restarts = 0
 
     def _forked_success(self, worker_group):
         """Forked ranks end with ``os._exit(0)`` (so a stray thread can never hang their exit)

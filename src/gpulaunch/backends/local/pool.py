@@ -43,7 +43,7 @@ from ...caller.controller import RunController
 from ...caller.failure_policy import Decision, FailurePolicy
 from ...caller.logstream import LogStreamer
 from ...caller.outcome import root_cause
-from ...common import private, procutil
+from ...common import preemption, private, procutil
 from ...common.records import (
     LaunchRecord,
     NodeState,
@@ -74,7 +74,8 @@ class PoolRun(RunController):
         self.pool: RankPool | None = None
         self.warm = False
         self.attempt = 0
-        self.policy = FailurePolicy(record.spec.max_restarts)   # restart or give up
+        self.policy = FailurePolicy(record.spec.max_restarts,    # restart or give up
+                                    preemption.max_preemptions(dict(record.spec.env)))
         self._env: dict[str, str] = {}
         self._call_env: dict[str, str] = {}
         self.hooks: NodeHooks | None = None
@@ -204,19 +205,28 @@ class PoolRun(RunController):
     def _attempt_failed(self, exits: dict, *, teardown: str | None = None) -> None:
         """This attempt failed: restart the call on a cold pool while the failure policy says
         so (a restart drops rt.state; the caller is told in one line), else end the call."""
-        if self.policy.decide(self.attempt, stopping=self.reason is not None) \
-                is Decision.GIVE_UP:
+        saved = preemption.read_saved(self.run.path, self.attempt)
+        if saved is not None and not saved["notice"].get("restart"):
+            self._end(NodeState.FAILED, exits, teardown=teardown)   # the caller is going away
+            return
+        if self.policy.decide(self.attempt, stopping=self.reason is not None,
+                              preempted=saved is not None) is Decision.GIVE_UP:
             self._end(NodeState.FAILED, exits, teardown=teardown)
             return
         failed = self.attempt
-        cause = self._cause(exits, teardown)
+        cause = (f"preempted: checkpoint of step {saved['step']} saved in {saved['checkpoint']}"
+                 if saved else self._cause(exits, teardown))
         POOLS.teardown(self.pool, teardown or f"attempt {failed} failed ({cause})")
-        self.policy.record(failed, cause, exits)
+        self.policy.record(failed, cause, exits, preempted=saved is not None)
+        if saved is not None:
+            preemption.archive_notice(self.run.path, failed)
         if self.run.hang_json.exists():      # the next attempt's hang, if any, is its own
             self.run.hang_json.replace(self.run.attempt_dir(failed) / "hang.json")
         self._update(state=NodeState.RESTARTING, hang=False, history=list(self.policy.history))
         line = (f"gpulaunch: pool: attempt {failed} failed ({cause}); restarting the call on "
-                f"new ranks (attempt {failed + 1} of {self.spec.max_restarts}): the pool "
+                f"new ranks (attempt {failed + 1}"
+                f"{'; a preemption, max_restarts not spent' if saved else ''}"
+                f"{'' if saved else f' of {self.spec.max_restarts}'}): the pool "
                 f"restarted cold{dropped_note(POOLS.dropped) or ', rt.state starts empty'}\n")
         if self.streamer:
             self.streamer.pump(final=True)

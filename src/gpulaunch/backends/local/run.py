@@ -195,9 +195,15 @@ class LocalRun(RunController):
             if history:
                 why = "; ".join(f"rank {r} {procutil.describe_exit(f.exitcode)}"
                                 for r, f in sorted(history[-1].failures.items()))
-            self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} failed ({why}); "
-                                f"restarting all ranks (attempt {latest} of "
-                                f"{self.spec.max_restarts})\n")
+            if history and history[-1].preempted:
+                n = sum(1 for h in history if h.preempted)
+                self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} {history[-1].cause}"
+                                    f"; restarting all ranks from it (attempt {latest}; "
+                                    f"preemption {n}, max_restarts not spent)\n")
+            else:
+                self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} failed ({why}); "
+                                    f"restarting all ranks (attempt {latest} of "
+                                    f"{self.spec.max_restarts})\n")
         self._attempt_seen = latest
         if self.streamer:
             for r in range(self.spec.world_size):
