@@ -41,14 +41,17 @@ def test_the_soaks_checks_see_a_survivor_and_a_readable_file(tmp_path):
     """What the soak counts as left behind: a process whose environment names its home, a
     file with group or other bits."""
     home = str(tmp_path)
-    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"],
-                             env=dict(os.environ, GPULAUNCH_HOME=home))
+    child = subprocess.Popen([sys.executable, "-c", "import time; print(1, flush=True); "
+                              "time.sleep(60)"], env=dict(os.environ, GPULAUNCH_HOME=home),
+                             stdout=subprocess.PIPE)
     try:
+        child.stdout.readline()     # running: its environment is readable (not mid-exec)
         assert fault_soak.survivors({child.pid}, home, wait=0.5) == [child.pid]
         assert fault_soak.survivors({child.pid}, home + "-other", wait=0) == []
     finally:
         child.kill()
         child.wait()
+        child.stdout.close()
     assert fault_soak.survivors({child.pid}, home, wait=0) == []
     secret = tmp_path / "runs" / "r1" / "rank0.locals.json"
     secret.parent.mkdir(parents=True, mode=0o700)
