@@ -119,6 +119,15 @@ def test_tracking_gpu_smoke(tmp_path):
     assert any(k.startswith("system/node_0/") for k in data["metrics"])
 
 
+def test_tracking_overhead_smoke(tmp_path):
+    # tracked and untracked warm calls in one process, in a fresh home the bench removes
+    _run("tracking_overhead.py", "--calls", "1", "--warm", out=tmp_path)
+    data = json.loads((tmp_path / "tracking_overhead.json").read_text())
+    assert data["warm"] and all(len(v) == 1 and v[0] > 0 for v in data["times_s"].values())
+    assert data["ratio"] > 0 and data["cpus"] >= 1
+    assert data["mlflow_runs_finished"] == 2          # the first tracked call and the measured one
+
+
 def test_reliability_matrix_smoke(tmp_path):
     out = tmp_path / "matrix.json"
     _run("reliability_matrix.py", out=out)

@@ -17,6 +17,7 @@ import datetime
 import os
 import socket
 
+from .common import private
 from .common.constants import PG_TIMEOUT_S as DEFAULT_PG_TIMEOUT_S
 from .errors import ConfigurationError
 from .rank.state import RANK_STATE, RankState
@@ -208,5 +209,6 @@ def report(step: int | None = None, **metrics) -> None:
         rec[name] = value
     path = os.path.join(run_dir, f"attempt{get_restart_count()}",
                         f"rank{get_global_rank()}.metrics.jsonl")
-    with open(path, "a") as f:        # one write per line: a reader never sees half a record
+    # one write per line: a reader never sees half a record; owner-only, as the run dir
+    with private.open_file(path, "a") as f:
         f.write(json.dumps(rec) + "\n")

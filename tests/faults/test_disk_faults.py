@@ -89,7 +89,8 @@ def _dead_pid() -> int:
     return proc.pid
 
 
-def test_retention_keeps_newest_and_recent_and_never_a_running_run(tmp_path):
+@pytest.mark.parametrize("quick", [False, True])     # quick: the pipeline's prune per launch
+def test_retention_keeps_newest_and_recent_and_never_a_running_run(tmp_path, quick):
     root = tmp_path / "runs"
     old = [_fake_run(root, f"old{i}", age_days=30 + i) for i in range(4)]
     recent = _fake_run(root, "recent", age_days=0.5)
@@ -97,7 +98,7 @@ def test_retention_keeps_newest_and_recent_and_never_a_running_run(tmp_path):
                         agent_pid=os.getpid())
     crashed = _fake_run(root, "crashed", age_days=40, state=NodeState.RUNNING,
                         agent_pid=_dead_pid())
-    report = retention.prune(retention.Policy(keep_runs=2, keep_days=7), root=root)
+    report = retention.prune(retention.Policy(keep_runs=2, keep_days=7), root=root, quick=quick)
     left = sorted(p.name for p in root.iterdir())
     # newest two by time: recent and old0 (running is active, counted but never removed)
     assert left == ["old0", "recent", "running"], report
@@ -107,6 +108,22 @@ def test_retention_keeps_newest_and_recent_and_never_a_running_run(tmp_path):
     assert not recent.payload.exists() and not old[0].payload.exists()
     assert running.payload.exists()
     assert not crashed.path.exists()
+
+
+def test_quick_retention_counts_kept_runs_without_a_payload_and_still_removes_old_ones(tmp_path):
+    """The pipeline's prune after each launch (quick=True) does not read kept runs that have no
+    payload left, but removes and protects as the full one does."""
+    root = tmp_path / "runs"
+    kept = [_fake_run(root, f"k{i}", age_days=0.1 * i, payload=False) for i in range(3)]
+    kept.append(_fake_run(root, "script-run", age_days=0.2, payload=False,    # not even read
+                          state=NodeState.RUNNING, agent_pid=os.getpid()))
+    active = _fake_run(root, "active", age_days=0.5, state=NodeState.RUNNING,
+                       agent_pid=os.getpid())                       # a payload still unread
+    old = _fake_run(root, "old", age_days=30, payload=False)
+    report = retention.prune(retention.Policy(keep_runs=2, keep_days=7), root=root, quick=True)
+    assert report.removed == ["old"] and not old.path.exists()
+    assert all(r.path.exists() for r in kept) and active.payload.exists()
+    assert report.kept_active == ["active"] and report.kept == 4
 
 
 def test_retention_bound_per_call_and_env_settings(tmp_path, monkeypatch):

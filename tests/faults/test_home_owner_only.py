@@ -10,6 +10,7 @@ import stat
 import pytest
 
 import gpulaunch
+import gpulaunch.tracking
 from gpulaunch import distributed
 
 pytest.importorskip("mlflow")
@@ -42,6 +43,7 @@ def test_cold_and_warm_calls_leave_nothing_readable_by_others(gpulaunch_home, mo
         warm = distributed(gpus=2, keep_alive=30, stream_logs="none")(chatty)
         assert warm.distributed() == [1, 1]
         assert warm.distributed() == [1, 1]     # served by the pool
+        assert gpulaunch.tracking.flush(timeout=120)   # the runs' MLflow ends (uploads)
     finally:
         gpulaunch.shutdown()
         os.umask(old)

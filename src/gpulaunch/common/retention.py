@@ -115,11 +115,16 @@ def _run_dirs(root: Path) -> list[Path]:
 
 
 def prune(policy: Policy | None = None, *, root: Path | None = None,
-          max_removals: int | None = None, protect=(), now: float | None = None) -> PruneReport:
+          max_removals: int | None = None, protect=(), now: float | None = None,
+          quick: bool = False) -> PruneReport:
     """Apply the retention policy under ``root`` (default: this home's runs folder).
 
     protect: run directories that must stay whatever their age (the caller's own runs in
-    flight)."""
+    flight).
+    quick: a run the policy keeps and that has no payload left is counted without reading
+    its records (active or not, nothing is done to it). The pipeline prunes after every
+    launch in a thread of the caller: a home of a thousand recent runs is then a thousand
+    stats, not a thousand status reads holding the GIL beside the caller's next call."""
     policy = policy or Policy.from_env()
     root = root or rundir.runs_root()
     now = time.time() if now is None else now
@@ -128,6 +133,10 @@ def prune(policy: Policy | None = None, *, root: Path | None = None,
     cutoff = now - policy.keep_days * 86400.0
     for i, path in enumerate(_run_dirs(root)):
         run = rundir.RunDir(path)
+        if quick and (i < policy.keep_runs or _newer(path, cutoff)) and \
+                not run.payload.exists():
+            report.kept += 1
+            continue
         if os.path.realpath(path) in protected or is_active(run, now):
             report.kept_active.append(path.name)
             continue
@@ -151,9 +160,16 @@ def prune(policy: Policy | None = None, *, root: Path | None = None,
     return report
 
 
+def _newer(path: Path, cutoff: float) -> bool:
+    try:
+        return path.stat().st_mtime >= cutoff
+    except OSError:
+        return False
+
+
 def prune_quietly(protect=()) -> None:
     """The pipeline's call after a launch: bounded, and a launch never fails because of it."""
     try:
-        prune(max_removals=PRUNE_MAX_REMOVALS, protect=protect)
+        prune(max_removals=PRUNE_MAX_REMOVALS, protect=protect, quick=True)
     except Exception:  # noqa: BLE001 - e.g. a bad GPULAUNCH_KEEP_RUNS: `runs --gc` reports it
         pass

@@ -16,6 +16,8 @@ import reprlib
 import sysconfig
 import types
 
+from ..common import private
+
 MAX_VARS = 40
 MAX_REPR = 160
 
@@ -114,7 +116,7 @@ def save(exc: BaseException, path) -> str:
         if data is None:
             return ""
         tmp = f"{path}.tmp"
-        with open(tmp, "w") as f:
+        with private.open_file(tmp, "w") as f:       # values of the user's variables: 0600
             json.dump(data, f, indent=1)
         os.replace(tmp, path)
         return summary(data, os.path.basename(str(path)))

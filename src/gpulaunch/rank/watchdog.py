@@ -26,6 +26,7 @@ import time
 import traceback
 from pathlib import Path
 
+from ..common import private
 from ..common.records import StuckReport
 
 _beats = 0
@@ -64,7 +65,7 @@ def dump_nccl_trace(path: Path) -> bool:
     except Exception:  # noqa: BLE001 - a diagnostic: never fail the rank for it
         return False
     tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
+    with private.open_file(tmp, "wb") as f:
         f.write(data)
     os.replace(tmp, path)
     return True

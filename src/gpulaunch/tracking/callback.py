@@ -7,7 +7,10 @@ ids through the launch record's ``extensions["tracking"]`` (hook: ``tracking.nod
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import threading
+import time
+import weakref
 
 from ..caller.callbacks import LaunchContext, RunCallback
 from ..common.rundir import hostname
@@ -31,6 +34,7 @@ class TrackingCallback(RunCallback):
         except Exception as e:  # noqa: BLE001 - tracking never fails the launch
             warn_once("could not start", f"{type(e).__name__}: {e}")
             return None
+        _CALLS.add(self.tracker)
         if ctx.remote:
             return None            # the nodes cannot read our run directory: node_fields()
         return dict(self.tracker.launch_fields(), hook=NODE_HOOK)
@@ -63,12 +67,14 @@ class TrackingCallback(RunCallback):
 
     def on_end(self, run, state) -> None:
         """Off the call's path: the uploads, the plot and the final status go to one
-        background thread (in order, call after call); ``flush()`` and the interpreter's exit
-        wait for them."""
+        background thread (in order, call after call), which waits while another call runs
+        (``_IdleGate``); ``flush()`` and the interpreter's exit wait for them."""
         if self.tracker is not None:
+            self.tracker.call_over()
             with _LOCK:
                 _PENDING[:] = [f for f in _PENDING if not f.done()]
-                _PENDING.append(_ender().submit(self.tracker.end, str(state), run))
+                _PENDING.append(_ender().submit(self.tracker.end, str(state), run,
+                                                _IdleGate().wait))
 
     def run_id(self) -> str | None:
         if self.tracker is None:
@@ -85,12 +91,62 @@ _PENDING: list[concurrent.futures.Future] = []
 _EXECUTOR: concurrent.futures.ThreadPoolExecutor | None = None
 
 
+# A run's end is 0.1-0.3 s of SQLite transactions, file copies and a matplotlib plot. Beside a
+# call of this process it takes the GIL from the caller's loop that hands work to the ranks and
+# reads their answers (a busy Python thread made a 0.01 s warm call take 0.2 s; 0.05 s when
+# niced). So an end waits while calls of this process run, at most END_DEFER_MAX_S (calls back
+# to back must not keep their runs RUNNING for ever), and its thread runs at a lower priority.
+END_DEFER_MAX_S = 10.0
+END_QUIET_S = 0.3
+END_NICE = 10
+
+
+# Tracked calls from on_launch on (ACTIVE has a run only once it started); weak, so that a
+# launch that failed before its end was told cannot hold the ends back.
+_CALLS: "weakref.WeakSet[CallTracker]" = weakref.WeakSet()
+
+
+def _busy() -> bool:
+    from ..caller.registry import ACTIVE
+    return any(not t.over for t in list(_CALLS)) or bool(ACTIVE.runs())
+
+
+class _IdleGate:
+    """``wait()`` returns once no call of this process has run for END_QUIET_S (calls in a
+    loop follow each other within milliseconds, and a call registers as running only after
+    its start), or END_DEFER_MAX_S after the gate's first wait (an end made to wait longer
+    runs beside the calls)."""
+
+    def __init__(self):
+        self.deadline: float | None = None
+        self.last_busy = time.monotonic()       # the call that just ended
+
+    def wait(self) -> None:
+        if self.deadline is None:
+            self.deadline = time.monotonic() + END_DEFER_MAX_S
+        while threading.main_thread().is_alive():   # at the interpreter's exit: no more calls
+            now = time.monotonic()
+            if _busy():
+                self.last_busy = now
+            if now - self.last_busy >= END_QUIET_S or now >= self.deadline:
+                return
+            time.sleep(0.02)
+
+
+def _lower_priority() -> None:
+    try:                       # Linux: a thread id is a valid PRIO_PROCESS target
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), END_NICE)
+    except (AttributeError, OSError):
+        pass
+
+
 def _ender() -> concurrent.futures.ThreadPoolExecutor:
     # one worker: a run's end never overtakes the previous one's; its thread is joined at
     # interpreter exit (concurrent.futures does that), so a script's last run is finished too
     global _EXECUTOR
     if _EXECUTOR is None:
-        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, "gpulaunch-mlflow-end")
+        _EXECUTOR = concurrent.futures.ThreadPoolExecutor(1, "gpulaunch-mlflow-end",
+                                                          initializer=_lower_priority)
     return _EXECUTOR
 
 

@@ -12,6 +12,7 @@ Every MLflow call is guarded and time-bounded: a broken store costs a warning, n
 
 from __future__ import annotations
 
+import functools
 import getpass
 import importlib.metadata
 import logging
@@ -19,37 +20,29 @@ import os
 import platform
 import sys
 import threading
-import time
 from pathlib import Path
 
 from ..common import private, redact
-from ..common.records import RunState
-from ..common.rundir import RunDir, hostname, read_json, write_json_atomic
-from . import settings, store
+from ..common.rundir import RunDir, hostname, write_json_atomic
+from . import node, settings, store
+from .guard import _bounded, _warned, warn_once  # noqa: F401 - _warned: tests reset it
+from .run_end import TRACKING_JSON, RunEnd
 from .settings import Tracking
 
-TRACKING_JSON = "tracking.json"
-# gpulaunch state -> MLflow run status
-_STATUS = {RunState.SUCCEEDED: "FINISHED", RunState.FAILED: "FAILED",
-           RunState.TIMED_OUT: "FAILED", RunState.CANCELLED: "KILLED"}
 _VERSIONS = ("torch", "gpulaunch", "mlflow", "transformers", "accelerate", "trl", "peft",
              "deepspeed", "lightning", "ray", "nvidia-ml-py")
-_warned: set[str] = set()
+# (store, experiment id, experiment name) -> (client, experiment id, name), once opened
+_OPENED: dict[tuple, tuple] = {}
 LAYOUT_PARAMS = ("world_size", "nproc_per_node", "nnodes")
+# Logging ~25 parameters is tens of ms of SQLAlchemy in the caller: a call still running after
+# this long logs them at once (they show while it runs); a shorter one leaves them to its end,
+# off the call's path.
+PARAMS_DELAY_S = 2.0
 
 
-def warn_once(what: str, detail: str = "") -> None:
-    """One line on stderr per kind of problem per process; tracking never raises into a run."""
-    if what in _warned:
-        return
-    _warned.add(what)
-    sys.stderr.write(f"gpulaunch: MLflow tracking: {what}{': ' + detail if detail else ''} "
-                     "(the run itself continues; pass tracking=False or set "
-                     "GPULAUNCH_TRACKING=0 to silence)\n")
-    sys.stderr.flush()
-
-
+@functools.lru_cache(maxsize=1)
 def _versions() -> dict[str, str]:
+    # once per process: importlib.metadata scans sys.path (milliseconds a distribution)
     out = {"python": platform.python_version()}
     for dist in _VERSIONS:
         try:
@@ -59,30 +52,7 @@ def _versions() -> dict[str, str]:
     return out
 
 
-def _bounded(fn, timeout: float, what: str):
-    """Run ``fn`` in a daemon thread; its result, or None after ``timeout`` s or an error."""
-    box: dict = {}
-
-    def target():
-        try:
-            box["value"] = fn()
-        except BaseException as e:  # noqa: BLE001
-            box["error"] = e
-
-    th = threading.Thread(target=target, name=f"gpulaunch-mlflow-{what}", daemon=True)
-    th.start()
-    th.join(timeout)
-    if th.is_alive():
-        warn_once(f"{what} took longer than {timeout:g} s", "skipped")
-        return None
-    if "error" in box:
-        e = box["error"]
-        warn_once(f"{what} failed", f"{type(e).__name__}: {e}")
-        return None
-    return box.get("value")
-
-
-class CallTracker:
+class CallTracker(RunEnd):
     """The MLflow run of one launch. ``begin()`` builds it; the launcher calls
     ``launch_fields()`` when it writes launch.json and ``end(state)`` when the run is over."""
 
@@ -101,14 +71,19 @@ class CallTracker:
         self.timeout = settings.setup_timeout()
         self.info: dict | None = None                # run_id, experiment, uri once created
         self._ready = threading.Event()
+        node.LOCAL_READY[str(run.path)] = self._ready     # an in-process node hook waits on it
         self._ended = False
+        self._over = threading.Event()          # the call is over: call_over()
+        self._lock = threading.Lock()
+        self._params_logged = False
         self._client = None
+        # If setup hangs (an unreachable server retries for minutes), tell the agent to go on.
+        # Made before the setup starts: a quick setup cancels it at once.
+        self._watchdog = threading.Timer(self.timeout, self._give_up)
+        self._watchdog.daemon = True
         self._thread = threading.Thread(target=self._setup, name="gpulaunch-mlflow-setup",
                                         daemon=True)
         self._thread.start()
-        # If setup hangs (an unreachable server retries for minutes), tell the agent to go on.
-        self._watchdog = threading.Timer(self.timeout, self._give_up)
-        self._watchdog.daemon = True
         self._watchdog.start()
 
     # ------------------------------------------------------------------ identity
@@ -132,19 +107,21 @@ class CallTracker:
     # ------------------------------------------------------------------ setup (thread)
     def _setup(self) -> None:
         try:
-            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-            from mlflow.tracking import MlflowClient
             t = self.target
-            # MLflow's "Creating initial MLflow database tables..." INFO lines: not the user's
-            logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
-            logging.getLogger("alembic").setLevel(logging.WARNING)
-            with store.sqlite_create_lock(t.tracking_uri):
-                client = MlflowClient(t.tracking_uri)
-                exp_id, exp_name = self._experiment(client)
-                if t.default_store:       # our sqlite file: owner-only, like the rest of home
-                    private.tighten(t.tracking_uri[len("sqlite:///"):])
-            run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
-                                    tags=self._tags())
+            key = (t.tracking_uri, t.experiment_id, t.experiment_name)
+            opened = _OPENED.get(key)
+            try:
+                client, exp_id, exp_name = opened or self._open()
+                run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
+                                        tags=self._tags())
+            except Exception:  # noqa: BLE001 - the experiment deleted since? look it up again
+                _OPENED.pop(key, None)
+                if opened is None:
+                    raise
+                client, exp_id, exp_name = self._open()
+                run = client.create_run(exp_id, run_name=self.cfg.run_name or self.label,
+                                        tags=self._tags())
+            _OPENED[key] = (client, exp_id, exp_name)
             run_id = run.info.run_id
             if self._ready.is_set():     # given up already: the ranks run untracked
                 client.set_terminated(run_id, "KILLED")
@@ -155,19 +132,32 @@ class CallTracker:
                     "system_metrics_interval": self.cfg.interval if self.cfg.system_metrics
                     else None, "ui": self.ui_hint(t.tracking_uri, exp_id, run_id)}
             self._publish(info)
-            try:
-                client.log_batch(run_id, params=self._params(
-                    skip=LAYOUT_PARAMS if self._layout_pending else ()))
-            except Exception as e:  # noqa: BLE001 - params are a nicety; the run is there
-                warn_once("logging launch parameters failed", f"{type(e).__name__}: {e}")
             if not os.environ.get("GPULAUNCH_QUIET") and store.announce(t.tracking_uri):
                 # once per store and process: one line per call is the run's own line
                 sys.stdout.write(f"gpulaunch: MLflow run {run_id} (experiment {exp_name!r}); "
                                  f"{info['ui']}\n")
                 sys.stdout.flush()
+            if not self._over.wait(PARAMS_DELAY_S):      # a long call: its params now
+                self._log_params_once(client, run_id)
         except BaseException as e:  # noqa: BLE001 - tracking must never fail the launch
             warn_once("could not create the run", f"{type(e).__name__}: {e}")
             self._publish(None)
+
+    def _open(self):
+        """The store's client and the run's experiment (created if new): a first sqlite store
+        takes seconds to build, so later calls of this process reuse what this found."""
+        os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+        from mlflow.tracking import MlflowClient
+        t = self.target
+        # MLflow's "Creating initial MLflow database tables..." INFO lines: not the user's
+        logging.getLogger("mlflow.store.db.utils").setLevel(logging.WARNING)
+        logging.getLogger("alembic").setLevel(logging.WARNING)
+        with store.sqlite_create_lock(t.tracking_uri):
+            client = MlflowClient(t.tracking_uri)
+            exp_id, exp_name = self._experiment(client)
+            if t.default_store:       # our sqlite file: owner-only, like the rest of home
+                private.tighten(t.tracking_uri[len("sqlite:///"):])
+        return client, exp_id, exp_name
 
     def _experiment(self, client) -> tuple[str, str]:
         """The experiment's id and name, created (with our artifact root) if it is new."""
@@ -223,6 +213,25 @@ class CallTracker:
             tags[str(k)] = str(v)
         return tags
 
+    def call_over(self) -> None:
+        """The call ended (its MLflow end is still to come)."""
+        self._over.set()
+
+    @property
+    def over(self) -> bool:
+        return self._over.is_set()
+
+    def _log_params_once(self, client, run_id: str) -> None:
+        with self._lock:
+            if self._params_logged:
+                return
+            self._params_logged = True
+        try:
+            client.log_batch(run_id, params=self._params(
+                skip=LAYOUT_PARAMS if self._layout_pending else ()))
+        except Exception as e:  # noqa: BLE001 - params are a nicety; the run is there
+            warn_once("logging launch parameters failed", f"{type(e).__name__}: {e}")
+
     def placed(self, spec) -> None:
         """The run's layout is known (Ray, after placement): log what waited for it."""
         self.spec = spec
@@ -260,106 +269,3 @@ class CallTracker:
             return "view: the Experiments page of your Databricks workspace"
         return f"view: mlflow ui --backend-store-uri {uri}"
 
-    # ------------------------------------------------------------------ end
-    def end(self, state: str, run=None) -> None:
-        """Upload logs and the status/error report, plot the curves, set the final status.
-        Bounded in time; never raises."""
-        if self._ended:
-            return
-        self._ended = True
-        info = self.wait_ready(self.timeout)
-        if not info:
-            return
-        _bounded(lambda: self._collect(info["run_id"], state, info["tracking_uri"], run),
-                 self.timeout, "uploading logs and plots")
-        status = _STATUS.get(RunState(state), "FAILED")
-        # The status on its own, after the uploads: slow artifacts never leave it RUNNING.
-        _bounded(lambda: self._client.set_terminated(info["run_id"], status), self.timeout,
-                 "setting the run's final status")
-        if self.target.default_store:     # MLflow made the artifact folders with the umask
-            store.tighten_artifacts(info)
-        _merge_json(self.run.path / TRACKING_JSON, {"status": status,
-                                                    "state": RunState(state).value,
-                                                    "ended": time.time()})
-
-    def _collect(self, run_id: str, state: str, uri: str, run=None) -> None:
-        client = self._client
-        client.set_tag(run_id, "gpulaunch.state", state)
-        self._log_recorded_params(client, run_id)
-        self._log_handed_off_system_metrics(client, run_id)
-        if self.cfg.log_artifacts:
-            self._upload(client, run_id, state, run)
-        if self.cfg.plot:
-            from .plots import plot_metrics
-            try:
-                png = plot_metrics(run_id, self.run.path / "metrics.png", tracking_uri=uri,
-                                   client=client)
-                if png is not None:
-                    client.log_artifact(run_id, str(png))
-            except ImportError:
-                pass            # matplotlib not installed: the UI still shows the curves
-
-    def _log_recorded_params(self, client, run_id: str) -> None:
-        """What rank 0 noted with ``tracking.inrank.record_param`` (e.g. prepare()'s strategy)."""
-        from mlflow.entities import Param
-
-        from .inrank import PARAMS_FILE
-        recorded = read_json(self.run.path / PARAMS_FILE, {}) or {}
-        if recorded:
-            client.log_batch(run_id, params=[Param(f"gpulaunch.{k}", str(v)[:6000])
-                                             for k, v in recorded.items()])
-
-    def _log_handed_off_system_metrics(self, client, run_id: str) -> None:
-        """Samples a node agent took but left to us (it exited before its own MLflow client
-        was ready: a short run). See ``tracking.system.SystemMetricsLogger``."""
-        from mlflow.entities import Metric
-        for path in sorted(self.run.path.glob("system_metrics.node*.json")):
-            data = read_json(path, {}) or {}
-            if data.get("run_id") != run_id:
-                continue
-            metrics = [Metric(k, v, s["timestamp"], s["step"])
-                       for s in data.get("samples", []) for k, v in s["values"].items()]
-            for i in range(0, len(metrics), 900):      # MLflow takes 1000 per batch
-                client.log_batch(run_id, metrics=metrics[i:i + 900])
-
-    def _upload(self, client, run_id: str, state: str, backend_run=None) -> None:
-        run = self.run
-        if RunState(state) is not RunState.SUCCEEDED and backend_run is not None:
-            report = _error_report(backend_run)
-            if report:
-                (run.path / "error.txt").write_text(report)
-        for name in ("status.json", "launch.json", "agent.log", "hang.json", "error.txt",
-                     TRACKING_JSON):
-            path = run.path / name
-            if path.exists():
-                client.log_artifact(run_id, str(path), "gpulaunch")
-        for extra in sorted(run.path.glob("status.node*.json")):
-            client.log_artifact(run_id, str(extra), "gpulaunch")
-        for attempt in run.attempts():
-            adir = run.attempt_dir(attempt)
-            for path in sorted(adir.iterdir()):
-                if not path.is_file() or path.name.endswith((".pkl", ".tmp")):
-                    continue
-                if path.suffix in (".log", ".stacks", ".json") and path.stat().st_size > 0:
-                    client.log_artifact(run_id, str(path), f"logs/attempt{attempt}")
-
-
-def _error_report(backend_run) -> str:
-    """The same error text the caller is about to raise, for the run's artifacts."""
-    from ..caller.outcome import settle
-    try:
-        settle(backend_run.outcome())
-    except BaseException as e:  # noqa: BLE001 - this is the point
-        import traceback
-        # Without the caller's frames: the rank's traceback is chained in as the cause.
-        return "".join(traceback.format_exception(type(e), e, None))
-    return ""
-
-
-def _merge_json(path: Path, extra: dict) -> None:
-    data = read_json(path, {}) or {}
-    data.update(extra)
-    try:
-        write_json_atomic(path, data)
-    except OSError:
-        pass

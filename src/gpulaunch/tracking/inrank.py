@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 
+from ..common import private
 from .node import RUN_ID_ENV
 
 
@@ -71,7 +72,7 @@ def record_param(key: str, value) -> None:
     data[key] = str(value)
     tmp = f"{path}.{os.getpid()}.tmp"
     try:
-        with open(tmp, "w") as f:
+        with private.open_file(tmp, "w") as f:
             json.dump(data, f)
         os.replace(tmp, path)
     except OSError:

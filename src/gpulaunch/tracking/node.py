@@ -11,11 +11,18 @@ from __future__ import annotations
 
 import os
 import sys
+import threading
 import time
+import weakref
 
 from ..common.rundir import RunDir, read_json
 
 RUN_ID_ENV = "GPULAUNCH_MLFLOW_RUN_ID"   # MLflow deletes MLFLOW_RUN_ID once it resumes the run
+POLL_S = 0.01          # an agent in another process watches for tracking.json this often
+# run directory -> the caller's "run created" event. A warm pool runs its node hook in the
+# caller's own process: it waits on the event (woken the moment the run exists) instead of
+# polling the file.
+LOCAL_READY: "weakref.WeakValueDictionary[str, threading.Event]" = weakref.WeakValueDictionary()
 
 
 def _log(msg: str) -> None:
@@ -30,14 +37,18 @@ def resolve_info(info: dict, run: RunDir) -> dict | None:
         return None
     pending = info.get("pending")
     if pending:
-        deadline = time.monotonic() + float(info.get("wait_s", 65))
+        wait_s = float(info.get("wait_s", 65))
+        deadline = time.monotonic() + wait_s
         path = run.path / pending
+        ready = LOCAL_READY.get(str(run.path))
+        if ready is not None:
+            ready.wait(wait_s)
         info = None
         while time.monotonic() < deadline:
             info = read_json(path)
             if info is not None:
                 break
-            time.sleep(0.05)
+            time.sleep(POLL_S)
         if info is None:
             _log(f"no {pending} from the caller in time; ranks run untracked")
             return None

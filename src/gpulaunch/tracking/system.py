@@ -105,7 +105,9 @@ class SystemMetricsLogger:
     short launch if the agent had to wait for it before exiting. So samples taken before the
     client exists are kept, and when ``handoff`` (a file in a run directory the caller reads)
     is given and the client is still not ready at ``stop()``, they are written there for the
-    caller to log, and the agent goes on at once."""
+    caller to log, and the agent goes on at once. With ``handoff`` the client is made only
+    after the first interval: a run shorter than that (a warm call) makes no MLflow call while
+    it runs."""
 
     def __init__(self, run_id: str, tracking_uri: str, node_rank: int, interval: float, *,
                  nproc: int | None = None, log=None, handoff=None):
@@ -148,6 +150,8 @@ class SystemMetricsLogger:
                 if self.handed_off:
                     return
                 self._pending.append(self._take(0))
+            if self.handoff is not None and self._stop.wait(self.interval):
+                return      # shorter than an interval: stop() hands both samples to the caller
             with procutil.FORK_QUIET:
                 from mlflow.entities import Metric
                 from mlflow.tracking import MlflowClient
