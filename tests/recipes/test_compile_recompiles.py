@@ -17,6 +17,7 @@ import logging
 import os
 import re
 import subprocess
+import sys
 
 import pytest
 from conftest import PY, ROOT, python_env
@@ -24,6 +25,8 @@ from conftest import PY, ROOT, python_env
 torch = pytest.importorskip("torch")
 pytest.importorskip("peft")
 pytest.importorskip("transformers")
+
+sys.path.insert(0, str(ROOT / "recipes"))
 
 LIMIT = "hit config.recompile_limit"
 
@@ -89,10 +92,18 @@ def test_a_graph_break_in_the_layers_sends_wrapped_func_past_the_limit(dynamo_lo
         return eager_norm(self, x)
 
     monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", opaque_norm)
-    _train_compiled_lora_llama()
+    from llm_common import speed
+    recorded = speed._RecompileLimitHits()       # what the recipes record in their result
+    logging.getLogger("torch._dynamo").addHandler(recorded)
+    try:
+        _train_compiled_lora_llama()
+    finally:
+        logging.getLogger("torch._dynamo").removeHandler(recorded)
     counts = recompiles_by_function(dynamo_log.messages)
     hits = [m for m in dynamo_log.messages if LIMIT in m]
     assert any("wrapped_func" in m for m in hits), (counts, hits)
+    assert counts["wrapped_func"] == torch._dynamo.config.recompile_limit, counts
+    assert "wrapped_func" in recorded.functions, recorded.functions
 
 
 def test_without_the_break_no_frame_reaches_the_limit(dynamo_log):
@@ -123,6 +134,7 @@ def test_compiled_lora_recipe_stays_under_the_recompile_limit(tmp_path):
     assert proc.returncode == 0, out[-6000:]
     r = json.loads(results.read_text())
     assert r["speed"]["torch_compile"]["value"] is True
+    assert r["speed"]["recompile_limit_hits"]["value"] == []     # what a GPU run records too
     assert r["wrapper"] in ("OptimizedModule", "DistributedDataParallel"), r["wrapper"]
     counts = recompiles_by_function(out.splitlines())
     assert counts, "TORCH_LOGS=recompiles logged nothing: the count below would prove nothing"
