@@ -220,6 +220,11 @@ def markdown(summary: dict) -> str:
                      f"{x.get('technique', 'by hand')} | {r['rc']} |")
     lines += ["", "Ratios: " + json.dumps({k: v for k, v in rat.items() if v is not None}),
               "", "Loss checks (fast vs plain, same steps, within 2%): " + json.dumps(checks)]
+    hits = {r["label"]: (((r.get("result") or {}).get("speed") or {})
+                         .get("recompile_limit_hits") or {}).get("value") for r in summary["runs"]}
+    hits = {label: v for label, v in hits.items() if v is not None}
+    if hits:   # compiled recipe runs: frames Dynamo gave up on (eager from then on)
+        lines += ["", "Frames past Dynamo's recompile limit (should be empty): " + json.dumps(hits)]
     return "\n".join(lines) + "\n"
 
 

@@ -4,16 +4,44 @@ fused LoRA, FlashAttention when installed, gradient checkpointing only when the 
 memory needs it, a tuned ZeRO-3 config); ``--speed off`` runs the seed's plain settings (the
 loss-check baseline). ``-x compile=true|false``, ``-x liger=...``, ``-x fused_lora=...`` force one
 choice; an explicit ``--gradient-checkpointing`` / ``--no-gradient-checkpointing`` wins over the
-planner.
+planner. A compiled run records in its result (``speed.recompile_limit_hits``) every frame
+Dynamo stopped compiling after ``recompile_limit``; it should stay empty.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import logging
+import re
 
 MODES = ("auto", "off")
 # SFTConfig fields taken from gpulaunch.hf.speed_settings (precision stays the recipe's --dtype)
 _TRAINER_FIELDS = ("tf32", "optim", "torch_compile", "use_liger_kernel", "padding_free")
+
+
+class _RecompileLimitHits(logging.Handler):
+    """Dynamo's ``hit config.recompile_limit`` warnings: the frames it stopped compiling, which
+    then run eagerly for the rest of the run (recorded in the result, ``speed``)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.functions: list[str] = []
+
+    def emit(self, record):
+        message = record.getMessage()
+        if "recompile_limit" in message:
+            found = re.search(r"function: '([^']+)'", message)
+            self.functions.append(found.group(1) if found else message.splitlines()[0])
+
+
+_HITS: _RecompileLimitHits | None = None
+
+
+def _watch_recompile_limit() -> None:
+    global _HITS
+    if _HITS is None:
+        _HITS = _RecompileLimitHits()
+        logging.getLogger("torch._dynamo").addHandler(_HITS)
 
 
 def model_config(opts, tokenizer):
@@ -43,6 +71,8 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
     if "fused_lora" in opts.extra:
         s.fuse_lora = bool(opts.extra["fused_lora"]) and lora
         s.reasons["fuse_lora"] = "asked for"
+    if s.trainer_args.get("torch_compile"):
+        _watch_recompile_limit()
     return s
 
 
@@ -69,4 +99,9 @@ def summary(s) -> dict | None:
     if s is None:
         return None
     values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora}
-    return {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}
+    out = {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}
+    if s.trainer_args.get("torch_compile") and _HITS is not None:
+        out["recompile_limit_hits"] = {
+            "value": list(_HITS.functions),
+            "why": "frames Dynamo stopped compiling (eager from then on); should be empty"}
+    return out

@@ -52,6 +52,11 @@ def test_ratios_and_loss_checks():
     md = llm_speed.markdown({"when": "t", "machine": "m", "command": "c", "runs": runs,
                              "ratios": r, "loss_checks": checks})
     assert "| 61200 | 1.2 |" in md
+    assert "recompile limit" not in md                   # no compiled recipe run recorded any
+    runs[2]["result"]["speed"] = {"recompile_limit_hits": {"value": ["wrapped_func"]}}
+    md = llm_speed.markdown({"when": "t", "machine": "m", "command": "c", "runs": runs,
+                             "ratios": r, "loss_checks": checks})
+    assert '{"lora_ddp_fast": ["wrapped_func"]}' in md
 
 
 @pytest.mark.slow

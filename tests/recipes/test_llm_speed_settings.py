@@ -114,9 +114,8 @@ def test_gpu_choices_for_lora_on_an_h200(as_if_gpu):
     a = s.trainer_args
     assert a["bf16"] is True and a["tf32"] is True and a["optim"] == "adamw_torch_fused"
     assert a["torch_compile"] is True
-    import importlib.util
-    liger = importlib.util.find_spec("liger_kernel") is not None   # the test extra installs it
-    assert a["use_liger_kernel"] is liger, s.reasons["use_liger_kernel"]
+    # compiled: Liger's layer kernels would break the graph in every layer (recompile limit)
+    assert a["use_liger_kernel"] is False and "compiled" in s.reasons["use_liger_kernel"]
     assert a["gradient_checkpointing"] is False and "planner" in s.reasons["gradient_checkpointing"]
     assert s.fuse_lora is True
 
@@ -141,6 +140,22 @@ def test_compile_is_off_for_zero3_and_moe_unless_asked(as_if_gpu):
     forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", compile=True,
                             **as_if_gpu)
     assert forced.trainer_args["torch_compile"] is True
+
+
+def test_liger_only_without_compile_and_fsdp2_does_not_compile(as_if_gpu):
+    import importlib.util
+    liger = importlib.util.find_spec("liger_kernel") is not None   # the test extra installs it
+    f = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", lora_rank=8, **as_if_gpu)
+    assert f.trainer_args["torch_compile"] is False and "FSDP2" in f.reasons["torch_compile"]
+    assert f.trainer_args["use_liger_kernel"] is liger, f.reasons["use_liger_kernel"]
+    eager = speed_settings(LlamaConfig(**LLAMA_1B), compile=False, **as_if_gpu)
+    assert eager.trainer_args["use_liger_kernel"] is liger
+    both = speed_settings(LlamaConfig(**LLAMA_1B), compile=True, liger=True, **as_if_gpu)
+    assert both.trainer_args["use_liger_kernel"] is True       # asked for: still honoured
+    forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", compile=True,
+                            **as_if_gpu)
+    assert forced.trainer_args["torch_compile"] is True
+    assert forced.trainer_args["use_liger_kernel"] is False
 
 
 # ------------------------------------------------------------------ the recipes' wrapper

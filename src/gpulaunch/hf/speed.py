@@ -15,12 +15,18 @@ What it decides (GPU / CPU):
 
 - ``bf16`` and ``tf32``: bf16 weights and activations where the GPU has bf16; fp32 on CPU.
 - ``optim="adamw_torch_fused"``: one kernel for the whole AdamW step on a GPU.
-- ``torch_compile``: on a GPU, except under ZeRO-3 (DeepSpeed's parameter hooks break the graph
-  at every layer) and for MoE models (transformers loops over experts); ``compile=True`` forces
-  it. Off on CPU (compile time, little gain).
-- ``use_liger_kernel``: Liger's fused RMSNorm/RoPE/SwiGLU and chunked linear cross-entropy (no
-  [tokens x vocab] logits in memory), on a GPU when ``liger-kernel`` is installed and supports the
-  model type. Triton kernels: never on CPU.
+- ``torch_compile``: on a GPU, except under ZeRO-3 and FSDP2 (their per-layer parameter hooks
+  break the graph at every layer) and for MoE models (transformers loops over experts);
+  ``compile=True`` forces it. Off on CPU (compile time, little gain).
+- ``use_liger_kernel``: Liger's fused RMSNorm/RoPE/SwiGLU, on a GPU when ``liger-kernel`` is
+  installed and supports the model type, and only when not compiling. Triton kernels: never on
+  CPU. TRL's ``SFTTrainer`` applies only these layer kernels (its own chunked LM head replaces
+  Liger's fused linear cross-entropy, so the logits never fill memory either way). Under
+  ``torch.compile`` they bring nothing inductor does not fuse by itself, and each Triton call
+  breaks the graph inside every decoder layer; the layers' forwards then run as frames of their
+  own, and transformers' ``deprecate_kwarg`` wrapper (one code object shared by the causal LM,
+  the base model, every decoder layer and attention) fills Dynamo's cache for that code object
+  (``recompile_limit``, 8) within a few steps, after which the layers run eagerly.
 - ``attn_implementation`` (``model_kwargs``): FlashAttention-2 when ``flash_attn`` is installed;
   else left to transformers, whose default is PyTorch SDPA where the model has it.
 - ``padding_free``: only with FlashAttention (variable-length rows in one flattened batch); with
@@ -128,10 +134,13 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
     why["optim"] = "one fused kernel for the AdamW step" if gpu else "CPU: the plain AdamW"
 
     moe = bool((cfg or {}).get("num_local_experts") or (cfg or {}).get("num_experts"))
+    hooked = technique in ("zero3", "fsdp2", "fsdp")     # parameter hooks around every layer
     if compile is None:
-        compile = gpu and technique != "zero3" and not moe
+        compile = gpu and not hooked and not moe
         why["torch_compile"] = ("ZeRO-3's parameter hooks break the graph at every layer"
                                 if gpu and technique == "zero3" else
+                                "FSDP2's per-layer hooks break the graph at every layer"
+                                if gpu and hooked else
                                 "MoE: transformers loops over experts (a graph per routing)"
                                 if gpu and moe else
                                 "GPU: fused kernels, fewer launches" if gpu else
@@ -142,10 +151,12 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
 
     model_type = (cfg or {}).get("model_type")
     if liger is None:
-        liger = gpu and _liger_supports(model_type)
+        liger = gpu and not compile and _liger_supports(model_type)
         why["use_liger_kernel"] = (
-            "fused RMSNorm/RoPE/SwiGLU, chunked linear cross-entropy" if liger else
+            "fused RMSNorm/RoPE/SwiGLU (not compiling)" if liger else
             "CPU: Liger's kernels are Triton GPU kernels" if not gpu else
+            "compiled: inductor fuses RMSNorm/RoPE/SwiGLU, and Liger's Triton calls would break "
+            "the graph in every layer (recompile limit)" if compile else
             "liger-kernel not installed" if not _installed("liger_kernel") else
             f"Liger has no kernels for model_type {model_type!r}")
     else:
