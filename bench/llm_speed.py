@@ -6,8 +6,9 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
 
 - ``lora``: the compiled LoRA anchor (``anchors/hf_lora_loop.py``: peft r 8 all-linear, fused
   AdamW) first and last (A ... A), between them ``trl_sft_lora_ddp`` and ``trl_sft_lora_fsdp``
-  with ``--speed auto`` and the anchor's own loop with ``gpulaunch.hf.fuse_lora`` (merged form;
-  the split form after, if the budget allows). Target: recipe / anchor >= 1.0 (stretch 1.3).
+  with ``--speed auto`` and the anchor's own loop with ``gpulaunch.hf.fuse_lora`` (merged form),
+  after the second anchor ``trl_sft_lora_ddp`` without compiling (``-x compile=false``) and the
+  split fused form, if the budget allows. Target: recipe / anchor >= 1.0 (stretch 1.3).
 - ``full``: the compiled full fine-tuning anchor (``anchors/hf_llama_loop.py``) first and last,
   between them ``trl_sft_full_zero3`` with ``--speed auto`` (tuned ZeRO-3 dict) and ``--speed
   off`` (the seed's dict), each under gpulaunch and under ``accelerate launch --use_deepspeed``,
@@ -92,6 +93,12 @@ def plan(group: str, smoke: bool) -> list[Item]:
                         role="fast", row="trl_sft_lora_fsdp --speed auto", est_s=90, smoke=smoke),
                 anchor("fused_merged", "lora", "merged", role="fused"),
                 anchor("anchor_lora_2", "lora", role="anchor_lora"),
+                # --speed auto without compiling (Liger's kernels instead): is compiling the
+                # layers worth it on this GPU?
+                _recipe("lora_ddp_eager", group, "trl_sft_lora_ddp",
+                        one_b + lora + ["-x", "compile=false"], role="variant",
+                        row="trl_sft_lora_ddp --speed auto -x compile=false", est_s=60,
+                        smoke=smoke),
                 anchor("fused_split", "lora", "split", role="fused")]    # last: the budget's slack
     if group == "full":
         z3 = one_b
@@ -176,7 +183,8 @@ def ratios(runs: list[dict]) -> dict:
 
     out = {"anchor_lora_tokens_per_second": anchor_lora,
            "anchor_full_tokens_per_second": anchor_full}
-    for label in ("lora_ddp_fast", "lora_fsdp_fast", "fused_merged", "fused_split"):
+    for label in ("lora_ddp_fast", "lora_fsdp_fast", "fused_merged", "fused_split",
+                  "lora_ddp_eager"):
         out[f"{label}_vs_anchor_lora"] = ratio(_rate(by.get(label, {})), anchor_lora)
     z = {k: _rate(by.get(k, {})) for k in ("zero3_fast", "zero3_plain", "zero3_plain_accelerate",
                                            "zero3_fast_accelerate", "zero3_plain_omp1")}

@@ -99,6 +99,7 @@ def train(opts: options.RecipeOptions) -> dict:
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer)
     in_effect = sft.require(trainer, technique)
+    compiled = speed.compile_layers(trainer, fast)  # only when asked for under ZeRO-3 (-x compile=true)
     result = sft.train_and_measure(trainer, device, opts, entry=entry)
     wrapper = result["wrapper"]
     unwrapped = trainer.accelerator.unwrap_model(trainer.model_wrapped)
@@ -112,7 +113,7 @@ def train(opts: options.RecipeOptions) -> dict:
     rt.barrier()
     return sft.stamp_exit({
         **result, "technique": in_effect, "wrapper": wrapper, "export_check": export,
-        "speed": speed.summary(fast),
+        "speed": speed.summary(fast), "compiled_layers": compiled,
         # the ZeRO settings DeepSpeed ran with, "auto" values filled in by the HF Trainer
         "deepspeed_zero": _zero_in_effect(trainer),
         "world_size": rt.get_world_size(), "precision": prec,

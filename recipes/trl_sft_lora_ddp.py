@@ -95,6 +95,7 @@ def train(opts: options.RecipeOptions) -> dict:
                          processing_class=tokenizer, peft_config=lora)
     technique = sft.require(trainer, sft.DDP)
     fused = speed.fuse(trainer, fast)               # before train(): DDP wraps it there
+    compiled = speed.compile_layers(trainer, fast)  # after fusing: the layers' final modules
     result = sft.train_and_measure(trainer, device, opts, entry=entry)
     if opts.save:
         trainer.save_model(out_dir)                 # rank 0 writes adapter + tokenizer
@@ -102,7 +103,7 @@ def train(opts: options.RecipeOptions) -> dict:
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     return sft.stamp_exit({**result, "technique": technique,
-            "speed": speed.summary(fast), "fused_lora": fused,
+            "speed": speed.summary(fast), "fused_lora": fused, "compiled_layers": compiled,
             "world_size": rt.get_world_size(), "precision": prec,
             "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

@@ -133,6 +133,7 @@ def train(opts: options.RecipeOptions) -> dict:
         technique = sft.technique_in_effect(trainer)
         rt.print0(f"NOT FSDP: {e} Continuing as {technique} because -x on_cpu=ddp.")
     fused = speed.fuse(trainer, fast)               # before train(): FSDP2 wraps it there
+    compiled = speed.compile_layers(trainer, fast)  # after fusing: the layers' final modules
     result = sft.train_and_measure(trainer, device, opts, entry=entry)
     wrapper = result["wrapper"]
     if technique == "fsdp2" and wrapper != "fsdp2":
@@ -143,7 +144,7 @@ def train(opts: options.RecipeOptions) -> dict:
             outputs.publish(out_dir, opts.output_path())
     rt.barrier()
     return sft.stamp_exit({**result, "technique": technique, "wrapper": wrapper,
-            "speed": speed.summary(fast), "fused_lora": fused,
+            "speed": speed.summary(fast), "fused_lora": fused, "compiled_layers": compiled,
             "fsdp_enabled": bool(trainer.is_fsdp_enabled), "world_size": rt.get_world_size(),
             "precision": prec, "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),

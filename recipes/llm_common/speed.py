@@ -2,10 +2,12 @@
 ``gpulaunch.hf.speed_settings`` for this host and model (compile, Liger kernels, fused AdamW,
 fused LoRA, FlashAttention when installed, gradient checkpointing only when the planner says
 memory needs it, a tuned ZeRO-3 config); ``--speed off`` runs the seed's plain settings (the
-loss-check baseline). ``-x compile=true|false``, ``-x liger=...``, ``-x fused_lora=...`` force one
-choice; an explicit ``--gradient-checkpointing`` / ``--no-gradient-checkpointing`` wins over the
-planner. A compiled run records in its result (``speed.recompile_limit_hits``) every frame
-Dynamo stopped compiling after ``recompile_limit``; it should stay empty.
+loss-check baseline). ``-x compile=true|false|model``, ``-x liger=...``, ``-x fused_lora=...``
+force one choice (``compile=true``: the decoder layers, ``gpulaunch.hf.compile_layers``;
+``compile=model``: the trainer's whole-model ``torch_compile``); an explicit
+``--gradient-checkpointing`` / ``--no-gradient-checkpointing`` wins over the planner. A compiled
+run records in its result (``speed.recompile_limit_hits``) every frame Dynamo stopped compiling
+after ``recompile_limit``; it should stay empty.
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ import re
 
 MODES = ("auto", "off")
 # SFTConfig fields taken from gpulaunch.hf.speed_settings (precision stays the recipe's --dtype)
-_TRAINER_FIELDS = ("tf32", "optim", "torch_compile", "use_liger_kernel", "padding_free")
+_TRAINER_FIELDS = ("tf32", "optim", "torch_compile", "use_liger_kernel", "padding_free",
+                   "pad_to_multiple_of")
 
 
 class _RecompileLimitHits(logging.Handler):
@@ -71,7 +74,7 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
     if "fused_lora" in opts.extra:
         s.fuse_lora = bool(opts.extra["fused_lora"]) and lora
         s.reasons["fuse_lora"] = "asked for"
-    if s.trainer_args.get("torch_compile"):
+    if s.trainer_args.get("torch_compile") or s.compile_layers:
         _watch_recompile_limit()
     return s
 
@@ -94,13 +97,23 @@ def fuse(trainer, s) -> dict | None:
     return {"fused": report["fused"], "skipped": len(report["skipped"]), "mode": report["mode"]}
 
 
+def compile_layers(trainer, s) -> dict | None:
+    """Compile the decoder layers of the trainer's (not yet wrapped) model when the settings
+    say so; after ``fuse`` (it swaps modules inside the layers)."""
+    if s is None or not s.compile_layers:
+        return None
+    from gpulaunch.hf import compile_layers as compile_them
+    return compile_them(trainer.model)
+
+
 def summary(s) -> dict | None:
     """What the result records: every setting and why."""
     if s is None:
         return None
-    values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora}
+    values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora,
+              "compile_layers": s.compile_layers}
     out = {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}
-    if s.trainer_args.get("torch_compile") and _HITS is not None:
+    if (s.trainer_args.get("torch_compile") or s.compile_layers) and _HITS is not None:
         out["recompile_limit_hits"] = {
             "value": list(_HITS.functions),
             "why": "frames Dynamo stopped compiling (eager from then on); should be empty"}

@@ -94,6 +94,7 @@ def test_cpu_choices():
     a = s.trainer_args
     assert a["bf16"] is False and a["optim"] == "adamw_torch"
     assert a["torch_compile"] is False and a["use_liger_kernel"] is False
+    assert s.compile_layers is False and "pad_to_multiple_of" not in a
     assert a["gradient_checkpointing"] is False and s.fuse_lora is True
     assert "Triton" in s.reasons["use_liger_kernel"]
     assert "fuse_lora" in str(s)
@@ -113,7 +114,10 @@ def test_gpu_choices_for_lora_on_an_h200(as_if_gpu):
                        micro_batch_size=4, lora_rank=8, **as_if_gpu)
     a = s.trainer_args
     assert a["bf16"] is True and a["tf32"] is True and a["optim"] == "adamw_torch_fused"
-    assert a["torch_compile"] is True
+    # the decoder layers compiled, not the whole model (TRL's LM head: a new shape every batch)
+    assert s.compile_layers is True and a["torch_compile"] is False
+    assert "compile_layers" in s.reasons["torch_compile"] and "compile_layers" in str(s)
+    assert a["pad_to_multiple_of"] == 64          # near-full rows: one shape
     # compiled: Liger's layer kernels would break the graph in every layer (recompile limit)
     assert a["use_liger_kernel"] is False and "compiled" in s.reasons["use_liger_kernel"]
     assert a["gradient_checkpointing"] is False and "planner" in s.reasons["gradient_checkpointing"]
@@ -133,28 +137,40 @@ def test_planner_turns_checkpointing_on_only_when_memory_needs_it(as_if_gpu):
 
 def test_compile_is_off_for_zero3_and_moe_unless_asked(as_if_gpu):
     z = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", micro_batch_size=4, **as_if_gpu)
-    assert z.trainer_args["torch_compile"] is False and "ZeRO-3" in z.reasons["torch_compile"]
+    assert z.trainer_args["torch_compile"] is False and z.compile_layers is False
+    assert "ZeRO-3" in z.reasons["compile_layers"]
+    assert "pad_to_multiple_of" not in z.trainer_args
     moe = {**LLAMA_1B, "model_type": "gpt_oss", "num_local_experts": 32}
     m = speed_settings(moe, gradient_checkpointing=False, **as_if_gpu)
-    assert m.trainer_args["torch_compile"] is False
+    assert m.trainer_args["torch_compile"] is False and m.compile_layers is False
     forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", compile=True,
                             **as_if_gpu)
-    assert forced.trainer_args["torch_compile"] is True
+    assert forced.compile_layers is True and forced.trainer_args["torch_compile"] is False
+    whole = speed_settings(LlamaConfig(**LLAMA_1B), compile="model", **as_if_gpu)
+    assert whole.trainer_args["torch_compile"] is True and whole.compile_layers is False
+    packed = speed_settings(LlamaConfig(**LLAMA_1B), packed=True, **as_if_gpu)
+    assert packed.compile_layers is True and "pad_to_multiple_of" not in packed.trainer_args
+    with pytest.raises(ValueError, match="compile='everything'.*'model'"):
+        speed_settings(LlamaConfig(**LLAMA_1B), compile="everything", **as_if_gpu)
 
 
-def test_liger_only_without_compile_and_fsdp2_does_not_compile(as_if_gpu):
+def test_liger_only_without_compile_and_fsdp2_compiles_the_layers(as_if_gpu):
     import importlib.util
     liger = importlib.util.find_spec("liger_kernel") is not None   # the test extra installs it
+    # FSDP2's hooks sit around each layer, outside its compiled forward
     f = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", lora_rank=8, **as_if_gpu)
-    assert f.trainer_args["torch_compile"] is False and "FSDP2" in f.reasons["torch_compile"]
-    assert f.trainer_args["use_liger_kernel"] is liger, f.reasons["use_liger_kernel"]
+    assert f.compile_layers is True and f.trainer_args["torch_compile"] is False
+    assert f.trainer_args["use_liger_kernel"] is False
+    f_eager = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", lora_rank=8,
+                             compile=False, **as_if_gpu)
+    assert f_eager.trainer_args["use_liger_kernel"] is liger, f_eager.reasons["use_liger_kernel"]
     eager = speed_settings(LlamaConfig(**LLAMA_1B), compile=False, **as_if_gpu)
     assert eager.trainer_args["use_liger_kernel"] is liger
     both = speed_settings(LlamaConfig(**LLAMA_1B), compile=True, liger=True, **as_if_gpu)
     assert both.trainer_args["use_liger_kernel"] is True       # asked for: still honoured
     forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", compile=True,
                             **as_if_gpu)
-    assert forced.trainer_args["torch_compile"] is True
+    assert forced.compile_layers is True
     assert forced.trainer_args["use_liger_kernel"] is False
 
 

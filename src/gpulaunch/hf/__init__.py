@@ -1,14 +1,18 @@
-"""Hugging Face helpers: a fused LoRA forward for peft models (``fuse_lora``) and the trainer
-settings that make an HF/TRL fine-tune fast on the host it runs on (``speed_settings``).
-Importing this package imports neither torch nor transformers."""
+"""Hugging Face helpers: a fused LoRA forward for peft models (``fuse_lora``), the decoder
+layers compiled one graph for all (``compile_layers``) and the trainer settings that make an
+HF/TRL fine-tune fast on the host it runs on (``speed_settings``). Importing this package
+imports neither torch nor transformers."""
 
-__all__ = ["fuse_lora", "unfuse_lora", "speed_settings"]
+__all__ = ["fuse_lora", "unfuse_lora", "compile_layers", "uncompile_layers", "speed_settings"]
 
 
 def __getattr__(name):
     if name in ("fuse_lora", "unfuse_lora"):
         from . import fused_lora
         return getattr(fused_lora, name)
+    if name in ("compile_layers", "uncompile_layers"):
+        from . import regional_compile
+        return getattr(regional_compile, name)
     if name == "speed_settings":
         from .speed import speed_settings
         return speed_settings

@@ -10,23 +10,34 @@ the reason it is (or is not) set.
     trainer = SFTTrainer(model=model, args=config, ...)
     if s.fuse_lora:
         fuse_lora(trainer.model)                # gpulaunch.hf.fuse_lora
+    if s.compile_layers:
+        compile_layers(trainer.model)           # gpulaunch.hf.compile_layers
 
 What it decides (GPU / CPU):
 
 - ``bf16`` and ``tf32``: bf16 weights and activations where the GPU has bf16; fp32 on CPU.
 - ``optim="adamw_torch_fused"``: one kernel for the whole AdamW step on a GPU.
-- ``torch_compile``: on a GPU, except under ZeRO-3 and FSDP2 (their per-layer parameter hooks
-  break the graph at every layer) and for MoE models (transformers loops over experts);
-  ``compile=True`` forces it. Off on CPU (compile time, little gain).
+- ``compile_layers`` (not a trainer field; ``gpulaunch.hf.compile_layers(trainer.model)`` after
+  the trainer is built): ``torch.compile`` of each decoder layer's forward, one graph for all of
+  them, on a GPU except under ZeRO-3 (DeepSpeed hooks every submodule, inside the layer) and
+  for MoE models (transformers loops over experts); FSDP2's and DDP's hooks sit around the
+  layer and stay eager. ``trainer_args["torch_compile"]`` stays False: compiling the whole
+  model also traces TRL's chunked LM head, whose scored-position count changes every batch on
+  a GPU (``gpulaunch.hf.regional_compile`` says what that cost). ``compile=True`` forces the
+  layers compiled, ``compile="model"`` the trainer's whole-model compile. Off on CPU (compile
+  time, little gain).
+- ``pad_to_multiple_of``: 64 when compiling rows that are padded (not padding-free): rows of
+  2040-2048 tokens then make one shape, not one compiled graph for fixed and one for dynamic
+  lengths.
 - ``use_liger_kernel``: Liger's fused RMSNorm/RoPE/SwiGLU, on a GPU when ``liger-kernel`` is
   installed and supports the model type, and only when not compiling. Triton kernels: never on
   CPU. TRL's ``SFTTrainer`` applies only these layer kernels (its own chunked LM head replaces
   Liger's fused linear cross-entropy, so the logits never fill memory either way). Under
   ``torch.compile`` they bring nothing inductor does not fuse by itself, and each Triton call
-  breaks the graph inside every decoder layer; the layers' forwards then run as frames of their
-  own, and transformers' ``deprecate_kwarg`` wrapper (one code object shared by the causal LM,
-  the base model, every decoder layer and attention) fills Dynamo's cache for that code object
-  (``recompile_limit``, 8) within a few steps, after which the layers run eagerly.
+  breaks the graph inside every decoder layer; with the whole model compiled, the layers'
+  forwards then ran as frames of their own, and transformers' ``deprecate_kwarg`` wrapper (one
+  code object shared by the causal LM, the base model, every decoder layer and attention)
+  filled Dynamo's cache for that code object (``recompile_limit``, 8) within a few steps.
 - ``attn_implementation`` (``model_kwargs``): FlashAttention-2 when ``flash_attn`` is installed;
   else left to transformers, whose default is PyTorch SDPA where the model has it.
 - ``padding_free``: only with FlashAttention (variable-length rows in one flattened batch); with
@@ -56,9 +67,11 @@ class SpeedSettings:
     model_kwargs: dict               # from_pretrained / model-construction kwargs
     fuse_lora: bool
     reasons: dict = field(default_factory=dict)   # setting -> why
+    compile_layers: bool = False     # gpulaunch.hf.compile_layers(trainer.model) before train()
 
     def __str__(self) -> str:
-        rows = [*self.trainer_args.items(), *self.model_kwargs.items(), ("fuse_lora", self.fuse_lora)]
+        rows = [*self.trainer_args.items(), *self.model_kwargs.items(),
+                ("fuse_lora", self.fuse_lora), ("compile_layers", self.compile_layers)]
         width = max(len(k) for k, _ in rows)
         return "\n".join(f"{k:<{width}}  {v!r:<22} {self.reasons.get(k, '')}" for k, v in rows)
 
@@ -134,20 +147,26 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
     why["optim"] = "one fused kernel for the AdamW step" if gpu else "CPU: the plain AdamW"
 
     moe = bool((cfg or {}).get("num_local_experts") or (cfg or {}).get("num_experts"))
-    hooked = technique in ("zero3", "fsdp2", "fsdp")     # parameter hooks around every layer
+    if compile not in (None, True, False, "model", "layers"):
+        raise ValueError(f"speed_settings(compile={compile!r}): use True (the decoder layers), "
+                         "'model' (the trainer's whole-model torch_compile), False, or None")
     if compile is None:
-        compile = gpu and not hooked and not moe
-        why["torch_compile"] = ("ZeRO-3's parameter hooks break the graph at every layer"
-                                if gpu and technique == "zero3" else
-                                "FSDP2's per-layer hooks break the graph at every layer"
-                                if gpu and hooked else
-                                "MoE: transformers loops over experts (a graph per routing)"
-                                if gpu and moe else
-                                "GPU: fused kernels, fewer launches" if gpu else
-                                "CPU: compile time outweighs the gain")
+        compile = gpu and technique != "zero3" and not moe
+        why["compile_layers"] = (
+            "ZeRO-3 hooks every submodule, inside the layers" if gpu and technique == "zero3" else
+            "MoE: transformers loops over experts (a graph per routing)" if gpu and moe else
+            "GPU: one compiled graph serves every decoder layer; hooks stay outside" if gpu else
+            "CPU: compile time outweighs the gain")
     else:
-        why["torch_compile"] = "asked for"
-    args["torch_compile"] = bool(compile)
+        why["compile_layers"] = "asked for"
+    whole = compile == "model"
+    layers = bool(compile) and not whole
+    args["torch_compile"] = whole
+    why["torch_compile"] = ("asked for (compile='model')" if whole else
+                            "the decoder layers are compiled instead (compile_layers): the whole "
+                            "model would also trace TRL's LM head, a new shape every batch"
+                            if layers else "not compiling (compile_layers says why)")
+    compile = bool(compile)
 
     model_type = (cfg or {}).get("model_type")
     if liger is None:
@@ -173,6 +192,10 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
                            else "TRL packing is padding-free already" if packed else
                            "SDPA would need a block-diagonal mask (slower than padded rows)")
 
+    if compile and not packed and not args["padding_free"]:
+        args["pad_to_multiple_of"] = 64
+        why["pad_to_multiple_of"] = "compiled: near-full rows padded to one shape (no dynamic-shape graph)"
+
     if gradient_checkpointing is not None:
         ckpt, reason = bool(gradient_checkpointing), "asked for"
     elif not gpu:
@@ -188,4 +211,4 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
     why["gradient_checkpointing"] = reason
     fuse = lora_rank is not None
     why["fuse_lora"] = ("peft's adapters in the base matmul (exact)" if fuse else "not LoRA")
-    return SpeedSettings(args, model_kwargs, fuse, why)
+    return SpeedSettings(args, model_kwargs, fuse, why, compile_layers=layers)
