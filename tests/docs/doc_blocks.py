@@ -79,7 +79,8 @@ def extract(text: str, path: Path = Path("<text>")) -> list[Block]:
 
 
 def doc_files(root: Path) -> list[Path]:
-    return [root / "README.md", *sorted((root / "docs").glob("**/*.md"))]
+    return [root / "README.md", *sorted((root / "docs").glob("**/*.md")),
+            *sorted((root / "recipes").glob("**/*.md"))]
 
 
 def shell_commands(code: str) -> list[str]:

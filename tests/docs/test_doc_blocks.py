@@ -1,4 +1,4 @@
-"""Every code block of README.md and docs/*.md runs as written (doc_blocks.py says how a block is
+"""Every code block of README.md, docs/*.md and recipes/*.md runs as written (doc_blocks.py says how a block is
 marked): Python blocks in a fresh interpreter, shell blocks with ``bash -e``, on CPU workers, in a
 scratch directory that sees the checkout's folders. Blocks marked ``fragment`` must still parse,
 import only ``gpulaunch`` names that exist and use only command lines the CLI accepts; blocks
