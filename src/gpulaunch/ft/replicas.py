@@ -190,10 +190,14 @@ class ReplicaGroups:
             raise
         return self
 
-    def _run_step(self) -> int:
-        """The highest step any group has committed."""
+    @property
+    def step(self) -> int:
+        """The run's step: the highest any group has committed (0 before the first)."""
         return max((r["step"] for i in range(self.replicas)
                     for r in read_steps(self.ft_dir, i)[-1:]), default=0)
+
+    def _run_step(self) -> int:
+        return self.step
 
     def _replica_env(self, replica: int) -> dict[str, str]:
         late = self._started or self.attempts[replica] > 0
