@@ -115,6 +115,29 @@ def test_bad_elastic_settings_are_refused_before_anything_starts(kwargs, match):
 
 
 @pytest.mark.unit
+def test_a_run_whose_groups_all_wait_for_capacity_is_not_over_until_node_lost_timeout(tmp_path):
+    """The supervisor's own bookkeeping, no process: every group failed before the first
+    commit and none may start (capacity 0). poll() keeps the run going while they may still
+    come back, then stops it below min, with the size change recorded."""
+    from gpulaunch import ft
+    from gpulaunch.ft.replicas import ReplicaGroups
+
+    def train():
+        return 0
+    groups = ReplicaGroups(train, replicas=(1, 2), capacity=ft.Capacity(0),
+                           node_lost_timeout=0.3, ft_dir=str(tmp_path))
+    groups._state = {0: "waiting", 1: "waiting"}
+    groups._since = {0: time.monotonic(), 1: time.monotonic()}
+    groups._launched = {0, 1}
+    groups.size = 2
+    assert groups.poll() is False
+    time.sleep(0.35)
+    with pytest.raises(ft.ReplicasBelowMinError, match="0 replica group.*fewer than min=1"):
+        groups.poll()
+    assert [(c.from_size, c.to_size) for c in groups.size_changes] == [(2, 1), (1, 0)]
+
+
+@pytest.mark.unit
 def test_parse_replicas_defaults():
     assert parse_replicas(3) is None
     size = parse_replicas((1, 3))

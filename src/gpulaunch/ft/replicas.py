@@ -274,6 +274,8 @@ class ReplicaGroups:
         self._fill_in_rejoins()
         if self.elastic:
             self._record_growth()
+            if not self.results and "waiting" in self._state.values():
+                return False                # it may still come back within node_lost_timeout
         return not self.handles
 
     def _rank_died(self, replica: int) -> bool:
@@ -315,7 +317,7 @@ class ReplicaGroups:
                       r not in self._launched or self.attempts[r] < self.max_group_restarts)
                  for r in range(self.replicas)]
         committed = any(read_steps(self.ft_dir, r)[-1:] for r in range(self.replicas))
-        capacity = self._capacity()
+        capacity = int(self._capacity())
         d = decide(slots, now=time.monotonic(), capacity=capacity, min_size=self.elastic.min,
                    node_lost_timeout=self.elastic.node_lost_timeout,
                    ending=bool(self.results), committed=committed)
