@@ -274,7 +274,7 @@ def test_elastic_run_loses_a_node_continues_on_one_and_grows_back_to_two(tmp_pat
                                     if shrink.step < r["step"] < grow.step)
     # alone, it trained on both shards of each step: the global batch was kept
     out0 = result.results[0][0]
-    assert out0["seen"][1] == [0, 1] and out0["seen"][2] == [0]
+    assert out0["seen"][1] == [0, 1] and len(out0["seen"][2]) == 1   # with 2: one shard each
     # the returning group healed from the survivor, past the step the node was lost at
     again = [r for r in result.steps[1] if r["a"] == 1]
     assert again[0]["healed_to"] == again[0]["step"] - 1 >= shrink.step
