@@ -20,7 +20,7 @@ import pytest
 from conftest import alive, run_pids
 
 from gpulaunch.errors import ConfigurationError
-from gpulaunch.ft.elastic import Capacity, Slot, decide, parse_replicas
+from gpulaunch.ft.elastic import Capacity, Slot, decide, parse_replicas, shards_for
 
 LR = 0.05
 
@@ -135,6 +135,18 @@ def test_a_run_whose_groups_all_wait_for_capacity_is_not_over_until_node_lost_ti
     with pytest.raises(ft.ReplicasBelowMinError, match="0 replica group.*fewer than min=1"):
         groups.poll()
     assert [(c.from_size, c.to_size) for c in groups.size_changes] == [(2, 1), (1, 0)]
+
+
+@pytest.mark.unit
+def test_shards_cover_the_global_batch_once_whatever_the_live_groups():
+    for total in (2, 3, 4, 7):
+        for n in range(1, total + 1):
+            got = [shards_for(rank, n, total) for rank in range(n)]
+            assert sorted(sum(got, [])) == list(range(total)) and all(got), (total, n)
+    assert shards_for(0, 1, 2) == [0, 1] and shards_for(1, 2, 2) == [1]
+    assert shards_for(None, 1, 2) == [0, 1]          # healing: rank 0's, gradient zeroed
+    with pytest.raises(ConfigurationError, match="every group needs at least one"):
+        shards_for(1, 2, 1)
 
 
 @pytest.mark.unit

@@ -186,6 +186,21 @@ class SizeChange:
         return f"{self.from_size} -> {self.to_size} at step {self.step}: {self.reason}"
 
 
+def shards_for(rank: int | None, participants: int, total: int) -> list[int]:
+    """The shards (of ``total`` per step) that the group of participating ``rank`` trains on
+    when ``participants`` groups take part: ``rank, rank + participants, ...``. Every shard goes
+    to exactly one group and every group gets at least one (a group that does not take part,
+    ``rank=None``, a healing one, gets rank 0's: torchft zeroes its gradient)."""
+    n = max(1, participants)
+    if isinstance(total, bool) or not isinstance(total, int) or total < n:
+        raise ConfigurationError(
+            f"{total!r} shards per step for {n} live replica groups: every group needs at "
+            "least one (use total >= the run's max replica groups; the default is "
+            "ft.num_replicas())")
+    start = rank if rank is not None and 0 <= rank < n else 0
+    return list(range(start, total, n))
+
+
 # ---------------------------------------------------------------------------------- the policy
 
 SlotState = Literal["running", "waiting", "lost", "done"]

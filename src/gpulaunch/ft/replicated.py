@@ -200,10 +200,9 @@ class Replicated:
         group must make the same number). Call it after ``optimizer.zero_grad()`` (it waits
         for the step's quorum). A group that is healing at this step trains on shards too:
         torchft zeroes its gradient."""
-        total = num_replicas() if total is None else int(total)
-        n = max(1, self.participants)
-        rank = self.manager.participating_rank()
-        return list(range(rank if rank is not None and rank < n else 0, total, n))
+        from .elastic import shards_for
+        return shards_for(self.manager.participating_rank(), self.participants,
+                          num_replicas() if total is None else total)
 
     def accumulate(self, total: int | None = None):
         """:meth:`shards`, with the gradient all-reduce held back until the last one (DDP's
