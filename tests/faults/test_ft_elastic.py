@@ -154,6 +154,7 @@ def test_parse_replicas_defaults():
     assert parse_replicas(3) is None
     size = parse_replicas((1, 3))
     assert (size.min, size.max, size.node_lost_timeout) == (1, 3, 60.0)
+    assert parse_replicas([1, 3]) == size
 
 
 # ---------------------------------------------------------------------------- real processes

@@ -134,6 +134,8 @@ def parse_replicas(replicas, *, node_lost_timeout=None, capacity=None,
                    spares: int = 1) -> ElasticSize | None:
     """``None`` for a fixed size (``replicas=N``), else the checked ``(min, max)`` settings.
     Raises ConfigurationError naming the problem and the fix."""
+    if isinstance(replicas, list):
+        replicas = tuple(replicas)
     if not isinstance(replicas, tuple):
         if node_lost_timeout is not None or capacity is not None:
             which = "node_lost_timeout" if node_lost_timeout is not None else "capacity"
