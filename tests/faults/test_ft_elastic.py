@@ -334,3 +334,36 @@ def test_below_min_the_run_stops_with_an_error_instead_of_waiting_on_the_quorum(
     assert time.monotonic() - t0 < 60
     assert not (tmp_path / "ft" / "replica2.steps.jsonl").exists()   # capacity kept it out
     _no_process_left(tmp_path / "ft", gpulaunch_home, lighthouse_pids)
+
+
+@pytest.mark.slow
+def test_a_run_started_on_less_capacity_than_max_grows_when_it_comes(tmp_path, gpulaunch_home):
+    """One node at the start: one group trains alone (both shards a step); a second node comes
+    and the second group's first start joins and heals from the first."""
+    pytest.importorskip("torchft")
+    import torch
+
+    from gpulaunch import ft
+    capacity = ft.Capacity(1)
+    ev = {}
+    lighthouse_pids = set()
+
+    def node_watcher(groups):
+        lighthouse_pids.add(groups.lighthouse.pid)
+        if "given" not in ev and groups.step >= 10:
+            ev["given"] = groups.step
+            capacity.give()
+
+    result = ft.run_replicas(_train, 60, 0.03, 2, replicas=(1, 2), node_lost_timeout=1.0,
+                             capacity=capacity, ft_dir=str(tmp_path / "ft"),
+                             on_poll=node_watcher)
+    assert [(c.from_size, c.to_size, c.replica) for c in result.size_changes] == [(1, 2, 1)]
+    grow, = result.size_changes
+    first = result.steps[1][0]
+    assert first["a"] == 0 and first["healed_to"] == first["step"] - 1 >= ev["given"]
+    assert grow.step == first["step"] and not result.failures and not result.given_up
+    assert result.steps[0][0]["step"] == 1 and _monotonic(result.steps[0])
+    out0 = result.results[0][0]
+    assert out0["seen"][1] == [0, 1]
+    assert torch.equal(out0["weights"], result.results[1][0]["weights"])
+    _no_process_left(tmp_path / "ft", gpulaunch_home, lighthouse_pids)
