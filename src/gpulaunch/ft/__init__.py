@@ -20,14 +20,20 @@ quorum; gpulaunch starts and supervises it.
     result = ft.run_replicas(train, 200, replicas=3)
     print(result.summary())        # which groups failed, when, how many steps each missed
 
+An elastic run (``replicas=(1, 2)``, ``node_lost_timeout=``, ``capacity=ft.Capacity(2)``) goes
+on with fewer groups when a lost one is not replaced in time, and grows back when capacity
+returns (``r.shards()`` keeps the global batch); ``result.size_changes`` lists each change.
+
 See docs/fault-tolerance.md.
 """
 
+from .elastic import Capacity, ReplicasBelowMinError, SizeChange
 from .lighthouse import Lighthouse, LighthouseError
 from .replicas import ReplicaGroups, run_replicas
 from .replicated import Replicated, attempt, num_replicas, replica_id, replicated
 from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
 
-__all__ = ["Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups", "ReplicasResult",
-           "Replicated", "attempt", "group_pids", "num_replicas", "read_steps", "replica_id",
-           "replicated", "run_replicas"]
+__all__ = ["Capacity", "Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups",
+           "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange", "attempt",
+           "group_pids", "num_replicas", "read_steps", "replica_id", "replicated",
+           "run_replicas"]

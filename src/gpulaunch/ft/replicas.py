@@ -13,6 +13,11 @@ if it dies it is started again on the same port, ``max_lighthouse_restarts`` tim
 group fails, only that group is launched again; it joins the live groups' next quorum and takes
 their weights and optimizer state (``replicated.py``). Once one group has finished, failed
 groups are no longer restarted (there would be nobody to heal from).
+
+Elastic size (``replicas=(min, max)``, ``elastic.py``): a failed group is started again only when
+the run's :class:`~gpulaunch.ft.Capacity` allows it; one not started within
+``node_lost_timeout`` is lost and the run goes on smaller (never below ``min``), and a group is
+started again when capacity returns, healing from a live peer like any replacement.
 """
 
 from __future__ import annotations
@@ -27,12 +32,23 @@ from typing import Any, Callable
 
 from ..common.procutil import pid_alive
 from ..errors import ConfigurationError, RunError
+from .elastic import (
+    CapacityLike,
+    ReplicasBelowMinError,
+    SizeChange,
+    Slot,
+    as_capacity,
+    decide,
+    parse_replicas,
+)
 from .lighthouse import Lighthouse, LighthouseError
 from .replicated import (
     ENV_ATTEMPT,
     ENV_DIR,
+    ENV_FIRST,
     ENV_HEAL_FROM,
     ENV_LIGHTHOUSE,
+    ENV_MIN,
     ENV_REPLICA,
     ENV_REPLICAS,
 )
@@ -71,13 +87,19 @@ class ReplicaGroups:
     """The supervisor behind :func:`run_replicas`; usable directly to watch a run in flight
     (``start()``, then ``poll()`` until it returns True, then ``finish()``)."""
 
-    def __init__(self, fn, args=(), kwargs=None, *, replicas: int = 2,
+    def __init__(self, fn, args=(), kwargs=None, *, replicas: int | tuple[int, int] = 2,
                  gpus_per_replica: int = 1, max_group_restarts: int = 3,
                  lighthouse: str | Lighthouse | None = None, max_lighthouse_restarts: int = 3,
                  heartbeat_timeout_ms: int = 1000, ft_dir: str | None = None,
-                 spares: int = 1, **launch_options):
-        if not isinstance(replicas, int) or replicas < 1:
-            raise ConfigurationError(f"replicas must be an int >= 1, got {replicas!r}")
+                 spares: int = 1, node_lost_timeout: float | None = None,
+                 capacity: CapacityLike = None, **launch_options):
+        self.elastic = parse_replicas(replicas, node_lost_timeout=node_lost_timeout,
+                                      capacity=capacity, spares=spares)
+        if self.elastic is not None:
+            replicas = self.elastic.max
+        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
+            raise ConfigurationError(f"replicas must be an int >= 1 or a pair (min, max), got "
+                                     f"{replicas!r}")
         if not isinstance(max_group_restarts, int) or max_group_restarts < 0:
             raise ConfigurationError(f"max_group_restarts must be an int >= 0, "
                                      f"got {max_group_restarts!r}")
@@ -121,6 +143,16 @@ class ReplicaGroups:
         self.failures: list[ReplicaFailure] = []
         self.given_up: list[int] = []
         self._t0 = None
+        self._started = False               # the first groups are launched
+        self._first: list[int] = []
+        # elastic size (elastic.py): each group's state, the run's size and its changes
+        self._capacity = as_capacity(capacity, replicas) if self.elastic else None
+        self._state: dict[int, str] = {}    # replica -> running / waiting / lost / done
+        self._since: dict[int, float] = {}  # replica -> when it started waiting
+        self._launched: set[int] = set()
+        self._growing: dict[int, int] = {}  # replica -> attempt whose first commit grows the run
+        self.size = 0
+        self.size_changes: list[SizeChange] = []
 
     # ---------------------------------------------------------------- lifecycle
     def start(self) -> "ReplicaGroups":
@@ -132,10 +164,25 @@ class ReplicaGroups:
         elif isinstance(lh, str):
             self.lighthouse = Lighthouse.at(lh)
         else:
-            self.lighthouse = Lighthouse.start(heartbeat_timeout_ms=self._heartbeat_ms)
+            self.lighthouse = Lighthouse.start(
+                heartbeat_timeout_ms=self._heartbeat_ms,
+                min_replicas=self.elastic.min if self.elastic else 1)
         try:
-            for i in range(self.replicas):
+            first = range(self.replicas)
+            if self.elastic:
+                allowed = self._capacity()
+                if allowed < self.elastic.min:
+                    raise ReplicasBelowMinError(
+                        f"the capacity allows {allowed} replica group(s) at the start, fewer "
+                        f"than min={self.elastic.min}: give it more (Capacity.set) or lower min")
+                first = range(min(self.replicas, allowed))
+                self._state = {i: "running" if i in first else "lost"
+                               for i in range(self.replicas)}
+                self.size = len(first)
+            self._first = list(first)
+            for i in first:
                 self._launch(i)
+            self._started = True
             for _ in range(self.spares):
                 self._launch_spare()
         except BaseException:
@@ -143,16 +190,28 @@ class ReplicaGroups:
             raise
         return self
 
+    @property
+    def step(self) -> int:
+        """The run's step: the highest any group has committed (0 before the first)."""
+        return max((r["step"] for i in range(self.replicas)
+                    for r in read_steps(self.ft_dir, i)[-1:]), default=0)
+
+    def _run_step(self) -> int:
+        return self.step
+
     def _replica_env(self, replica: int) -> dict[str, str]:
-        steps = [r["step"] for i in range(self.replicas) for r in read_steps(self.ft_dir, i)[-1:]]
+        late = self._started or self.attempts[replica] > 0
         return {ENV_REPLICA: str(replica), ENV_ATTEMPT: str(self.attempts[replica]),
-                ENV_HEAL_FROM: str(max(steps, default=0) if self.attempts[replica] else -1),
+                ENV_HEAL_FROM: str(self._run_step() if late else -1),
+                # a first start waits for the other first starts before its first quorum
+                ENV_FIRST: "" if late else ",".join(map(str, self._first)),
                 "REPLICA_GROUP_ID": str(replica)}
 
     def _submit(self, env: dict[str, str]):
         from ..api import distributed
         env = {**self.extra_env, ENV_REPLICAS: str(self.replicas), ENV_DIR: str(self.ft_dir),
                ENV_LIGHTHOUSE: self.lighthouse.address,
+               ENV_MIN: str(self.elastic.min if self.elastic else 1),
                "NUM_REPLICA_GROUPS": str(self.replicas), **env}
         f = distributed(gpus=1, env=env, **self.launch_options)(_replica_entry)
         f.__name__ = getattr(self.fn, "__name__", "replica")   # the run's label: the user's name
@@ -160,6 +219,7 @@ class ReplicaGroups:
 
     def _launch(self, replica: int) -> None:
         """Start ``replica``'s current attempt: on a waiting spare if there is one."""
+        self._launched.add(replica)
         env = self._replica_env(replica)
         while self._spares:
             path, handle = self._spares.pop(0)
@@ -193,6 +253,7 @@ class ReplicaGroups:
                 del self.handles[replica]
                 try:
                     self.results[replica] = handle.result()
+                    self._state[replica] = "done"
                 except Exception as e:  # noqa: BLE001 - the rank's own error type comes back too
                     self._failed(replica, one_line(e))
             elif self._rank_died(replica):
@@ -208,7 +269,13 @@ class ReplicaGroups:
                     handle.result()
                 except Exception as e:  # noqa: BLE001
                     failure.error = one_line(e)
+        if self.elastic:
+            self._resize()
         self._fill_in_rejoins()
+        if self.elastic:
+            self._record_growth()
+            if not self.results and "waiting" in self._state.values():
+                return False                # it may still come back within node_lost_timeout
         return not self.handles
 
     def _rank_died(self, replica: int) -> bool:
@@ -224,14 +291,76 @@ class ReplicaGroups:
         restart = attempt < self.max_group_restarts and not self.results
         failure = ReplicaFailure(
             replica=replica, attempt=attempt, failed_at=time.time(), error=error,
-            last_step=mine[-1]["step"] if mine else None, restarted=restart)
+            last_step=mine[-1]["step"] if mine else None,
+            restarted=restart and not self.elastic)
         self.failures.append(failure)
-        if restart:
+        if self.elastic:
+            # started again by _resize() when the capacity allows; a group that failed before
+            # it joined (a growth) was not a member of the run: it is simply lost again
+            if self._growing.pop(replica, None) is not None:
+                self._state[replica] = "lost"
+            else:
+                self._state[replica] = "waiting"
+                self._since[replica] = time.monotonic()
+        elif restart:
             self.attempts[replica] += 1
             self._launch(replica)
         else:
             self.given_up.append(replica)
         return failure
+
+    # ---------------------------------------------------------------- elastic size
+    def _resize(self) -> None:
+        """Apply :func:`elastic.decide`: start what the capacity allows, declare lost what was
+        not started in time, stop the run below min."""
+        slots = [Slot(r, self._state[r], self._since.get(r, 0.0),
+                      r not in self._launched or self.attempts[r] < self.max_group_restarts)
+                 for r in range(self.replicas)]
+        committed = any(read_steps(self.ft_dir, r)[-1:] for r in range(self.replicas))
+        capacity = int(self._capacity())
+        d = decide(slots, now=time.monotonic(), capacity=capacity, min_size=self.elastic.min,
+                   node_lost_timeout=self.elastic.node_lost_timeout,
+                   ending=bool(self.results), committed=committed)
+        for r in d.lose:
+            self._state[r] = "lost"
+            why = ("its restart budget is spent" if self.attempts[r] >= self.max_group_restarts
+                   else f"no capacity within node_lost_timeout="
+                        f"{self.elastic.node_lost_timeout:g} s (capacity {capacity})")
+            self.size_changes.append(SizeChange(
+                at=time.time(), step=self._run_step(), from_size=self.size,
+                to_size=self.size - 1, replica=r,
+                reason=f"replica {r} failed and was not started again: {why}"))
+            self.size -= 1
+        if d.fail:
+            self.stop()
+            raise ReplicasBelowMinError(
+                f"elastic run stopped: {d.fail}; every replica group was stopped. Size "
+                f"changes: {[str(c) for c in self.size_changes] or 'none'}")
+        for r in d.start:
+            grow = self._state[r] == "lost"
+            if r in self._launched:
+                self.attempts[r] += 1
+            for f in self.failures:
+                if f.replica == r and f.attempt == self.attempts[r] - 1:
+                    f.restarted = True
+            self._state[r] = "running"
+            self._since.pop(r, None)
+            if grow:
+                self._growing[r] = self.attempts[r]
+            self._launch(r)
+
+    def _record_growth(self) -> None:
+        """A group started after its place was lost grows the run at its first commit."""
+        for r, a in list(self._growing.items()):
+            first = next((rec for rec in read_steps(self.ft_dir, r) if rec.get("a") == a), None)
+            if first is None:
+                continue
+            del self._growing[r]
+            healed = f", healed to step {first['healed_to']}" if "healed_to" in first else ""
+            self.size_changes.append(SizeChange(
+                at=first["t"], step=first["step"], from_size=self.size, to_size=self.size + 1,
+                replica=r, reason=f"capacity returned: replica {r} joined{healed}"))
+            self.size += 1
 
     def _fill_in_rejoins(self) -> None:
         """For each failure whose group has committed again: when, at which step, and how
@@ -276,19 +405,25 @@ class ReplicaGroups:
     def finish(self) -> ReplicasResult:
         self.stop()
         steps = {i: read_steps(self.ft_dir, i) for i in range(self.replicas)}
+        given_up = set(self.given_up)
+        if self.elastic:        # a group that failed and was never back
+            given_up |= {r for r, st in self._state.items()
+                         if st in ("waiting", "lost") and r in self._launched}
         result = ReplicasResult(results=dict(sorted(self.results.items())),
-                                failures=self.failures, given_up=sorted(self.given_up),
+                                failures=self.failures, given_up=sorted(given_up),
                                 lighthouse_restarts=self.lighthouse.restarts
                                 if self.lighthouse else 0,
-                                wall_s=time.monotonic() - self._t0, steps=steps)
+                                wall_s=time.monotonic() - self._t0, steps=steps,
+                                size_changes=list(self.size_changes))
         if self._own_dir:
             shutil.rmtree(self.ft_dir, ignore_errors=True)
         return result
 
 
-def run_replicas(fn: Callable, *args, replicas: int = 2, max_group_restarts: int = 3,
-                 lighthouse: str | Lighthouse | None = None, poll_s: float = 0.1,
-                 on_poll: Callable[[ReplicaGroups], None] | None = None,
+def run_replicas(fn: Callable, *args, replicas: int | tuple[int, int] = 2,
+                 max_group_restarts: int = 3, lighthouse: str | Lighthouse | None = None,
+                 poll_s: float = 0.1, on_poll: Callable[[ReplicaGroups], None] | None = None,
+                 node_lost_timeout: float | None = None, capacity: CapacityLike = None,
                  **options) -> ReplicasResult:
     """Run ``fn(*args)`` as ``replicas`` fault-tolerant replica groups and block until all end.
 
@@ -298,6 +433,14 @@ def run_replicas(fn: Callable, *args, replicas: int = 2, max_group_restarts: int
     are not settings here are passed to ``fn`` if its signature takes them, else used as
     launch settings (``timeout=``, ``shutdown_grace=``, ``extra_env=``, ...).
 
+    ``replicas=(min, max)`` makes the size elastic (``elastic.py``): ``max`` groups (or as many
+    as ``capacity`` allows), a failed group started again only when ``capacity``
+    (a :class:`~gpulaunch.ft.Capacity`, an int or a callable; default: always ``max``) allows;
+    one not started within ``node_lost_timeout`` seconds (default 60) leaves the run smaller,
+    and a group is started again when capacity returns. Below ``min`` for that long, the run
+    stops with :class:`~gpulaunch.ft.ReplicasBelowMinError`. ``result.size_changes`` lists
+    every change.
+
     Returns a :class:`ReplicasResult`; raises the last group's error if no group finished.
     """
     import inspect
@@ -306,7 +449,7 @@ def run_replicas(fn: Callable, *args, replicas: int = 2, max_group_restarts: int
     fn_kwargs = {k: options.pop(k) for k in list(options) if k in params}
     groups = ReplicaGroups(fn, args, fn_kwargs, replicas=replicas,
                            max_group_restarts=max_group_restarts, lighthouse=lighthouse,
-                           **options)
+                           node_lost_timeout=node_lost_timeout, capacity=capacity, **options)
     groups.start()
     last_error: BaseException | None = None
     try:

@@ -38,6 +38,8 @@ ENV_ATTEMPT = "GPULAUNCH_FT_ATTEMPT"
 ENV_DIR = "GPULAUNCH_FT_DIR"
 ENV_LIGHTHOUSE = "TORCHFT_LIGHTHOUSE"           # torchft's own name for it
 ENV_HEAL_FROM = "GPULAUNCH_FT_HEAL_FROM"        # a restarted group must rejoin past this step
+ENV_MIN = "GPULAUNCH_FT_MIN_REPLICAS"           # fewest groups a step needs (elastic: min)
+ENV_FIRST = "GPULAUNCH_FT_FIRST_GROUPS"         # "0,1": the groups of the run's start
 
 
 def replica_id() -> int:
@@ -46,7 +48,8 @@ def replica_id() -> int:
 
 
 def num_replicas() -> int:
-    """How many replica groups the run was started with (fewer may be alive at a step)."""
+    """How many replica groups the run has at most (an elastic run: its ``max``; fewer may be
+    alive at a step: ``Replicated.participants`` says how many are)."""
     return int(os.environ.get(ENV_REPLICAS, os.environ.get("NUM_REPLICA_GROUPS", "1")))
 
 
@@ -77,10 +80,11 @@ class _Progress:
         Otherwise a group that starts seconds before another can train alone from step 0,
         even to the end, and the late one then trains alone from step 0 again: two models."""
         folder = os.environ.get(ENV_DIR)
-        if not folder or attempt() > 0:
-            return
+        first = os.environ.get(ENV_FIRST)
+        if not folder or attempt() > 0 or first == "":
+            return                           # a replacement, or a group that grows the run
         deadline = time.monotonic() + timeout
-        want = range(num_replicas())
+        want = [int(i) for i in first.split(",")] if first else range(num_replicas())
         while time.monotonic() < deadline:
             names = os.listdir(folder)
             if all(any(n.startswith(f"replica{i}.attempt") and n.endswith(".pid") for n in names)
@@ -182,8 +186,47 @@ class Replicated:
 
     @property
     def participants(self) -> int:
-        """Replica groups in the current quorum."""
+        """Replica groups taking part in this step (an elastic run's size now). Call it after
+        ``optimizer.zero_grad()``, which starts the step's quorum (it waits for the quorum)."""
         return self.manager.num_participants()
+
+    def shards(self, total: int | None = None) -> list[int]:
+        """The data shards (``0 .. total-1``) this group trains on at this step, so that the
+        step's global batch stays ``total`` shards whatever the number of live groups: its own
+        when all ``total`` groups take part, the lost groups' spread over the live ones when
+        fewer do (gradient accumulation). ``total`` defaults to :func:`num_replicas`.
+
+        Loop over them with :meth:`accumulate` (one gradient all-reduce per step, as every
+        group must make the same number). Call it after ``optimizer.zero_grad()`` (it waits
+        for the step's quorum). A group that is healing at this step trains on shards too:
+        torchft zeroes its gradient."""
+        from .elastic import shards_for
+        return shards_for(self.manager.participating_rank(), self.participants,
+                          num_replicas() if total is None else total)
+
+    def accumulate(self, total: int | None = None):
+        """:meth:`shards`, with the gradient all-reduce held back until the last one (DDP's
+        ``no_sync``): the loop body runs one forward and backward per shard.
+
+            r.optimizer.zero_grad()
+            for shard in r.accumulate():
+                x, y = batch(r.step, shard)
+                (loss_fn(r.model(x), y) * r.shard_weight()).backward()
+            r.optimizer.step()
+        """
+        shards = self.shards(total)
+        for shard in shards[:-1]:
+            with self.model.no_sync():
+                yield shard
+        yield shards[-1]
+
+    def shard_weight(self, total: int | None = None) -> float:
+        """What to scale each shard's loss by (``participants / total``): torchft averages the
+        gradients over the live groups, so with this weight the step's gradient is the mean
+        over all ``total`` shards, as with every group live, whatever the number of live
+        groups."""
+        total = num_replicas() if total is None else int(total)
+        return max(1, self.participants) / total
 
     def summary(self) -> dict:
         """A small record to return from the function: replica, attempt, steps, healing."""
@@ -198,7 +241,7 @@ class Replicated:
         self.manager.shutdown(wait=False)
 
 
-def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0,
+def replicated(model, optimizer, *, min_replicas: int | None = None, timeout: float = 10.0,
                quorum_timeout: float = 60.0, quorum_retries: int = 10,
                state: dict | None = None, lighthouse: str | None = None) -> Replicated:
     """Put ``model`` and ``optimizer`` under torchft's Manager for this replica group.
@@ -207,7 +250,8 @@ def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0
         model: the plain ``nn.Module`` on this rank's device; every group builds the same one
             (the groups' step-0 weights are made equal by torchft before the first step).
         optimizer: a built optimizer over ``model.parameters()``.
-        min_replicas: fewest live replica groups a step needs to commit.
+        min_replicas: fewest live replica groups a step needs to commit; default the run's
+            (``run_replicas(replicas=(min, max))``: ``min``; else 1).
         timeout: seconds for one cross-group all-reduce, commit vote or state transfer; a
             peer that vanished mid-step costs at most this.
         quorum_timeout: seconds a group waits for a quorum (a restarted group waits here for
@@ -223,6 +267,9 @@ def replicated(model, optimizer, *, min_replicas: int = 1, timeout: float = 10.0
     import torch.distributed as dist
 
     from .. import runtime as rt
+
+    if min_replicas is None:
+        min_replicas = int(os.environ.get(ENV_MIN, "1"))
 
     address = lighthouse or os.environ.get(ENV_LIGHTHOUSE)
     if not address:

@@ -3,6 +3,7 @@ groups write as they go (one JSON line per committed step, one pid file per rank
 
     result.failures[0]      # ReplicaFailure(replica=1, attempt=0, last_step=57, healed_to=58,
                             #                steps_missed=0, ...); .down_s: seconds it was away
+    result.size_changes     # an elastic run: [SizeChange(step=20, from_size=2, to_size=1, ...)]
 """
 
 from __future__ import annotations
@@ -10,6 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+
+from .elastic import SizeChange
 
 
 @dataclasses.dataclass
@@ -42,6 +45,8 @@ class ReplicasResult:
     lighthouse_restarts: int
     wall_s: float
     steps: dict[int, list[dict]] = dataclasses.field(default_factory=dict)  # replica -> commits
+    # an elastic run (replicas=(min, max)): every change of its size, in order
+    size_changes: list[SizeChange] = dataclasses.field(default_factory=list)
 
     def summary(self) -> str:
         lines = [f"{len(self.results)} replica group(s) finished in {self.wall_s:.1f} s; "
@@ -51,6 +56,8 @@ class ReplicasResult:
             lines.append(f"  replica {f.replica} attempt {f.attempt}: {f.error}; last step "
                          f"{f.last_step}, healed to {f.healed_to}, missed {f.steps_missed}, "
                          f"down {f.down_s if f.down_s is None else round(f.down_s, 2)} s")
+        for c in self.size_changes:
+            lines.append(f"  size {c}")
         return "\n".join(lines)
 
 
