@@ -36,12 +36,12 @@ from .elastic import (
     CapacityLike,
     ReplicasBelowMinError,
     SizeChange,
-    Slot,
     as_capacity,
-    decide,
     parse_replicas,
 )
+from .elastic_sizing import ElasticSizing
 from .lighthouse import Lighthouse, LighthouseError
+from .replica_entry import ENV_SPARE, replica_entry
 from .replicated import (
     ENV_ATTEMPT,
     ENV_DIR,
@@ -54,36 +54,8 @@ from .replicated import (
 )
 from .result import ReplicaFailure, ReplicasResult, group_pids, one_line, read_steps
 
-ENV_SPARE = "GPULAUNCH_FT_SPARE"          # a spare's assignment file (it waits for it)
 
-
-def _replica_entry(fn, args, kwargs):
-    """What each replica group's rank runs. A spare has torch and torchft imported and its
-    process group up, then waits for the caller to name the replica it replaces; that saves a
-    restarted group the launch and the imports (seconds on a busy host)."""
-    assignment = os.environ.get(ENV_SPARE)
-    if assignment:
-        import torch
-        import torchft  # noqa: F401 - imported now, while there is time
-
-        from .. import runtime as rt
-        rt.init()
-        # The first optimizer built in a process imports torch._dynamo: seconds, paid here.
-        torch.optim.AdamW([torch.zeros(1, requires_grad=True)])
-        while not os.path.exists(assignment):
-            time.sleep(0.01)
-        with open(assignment) as f:
-            os.environ.update(json.load(f))
-    out = fn(*args, **kwargs)
-    # The rank's process ends now: tell the caller it ends well, not by a crash.
-    folder = os.environ.get(ENV_DIR)
-    if folder:
-        Path(folder, f"replica{os.environ.get(ENV_REPLICA)}.attempt"
-                     f"{os.environ.get(ENV_ATTEMPT)}.done").touch()
-    return out
-
-
-class ReplicaGroups:
+class ReplicaGroups(ElasticSizing):
     """The supervisor behind :func:`run_replicas`; usable directly to watch a run in flight
     (``start()``, then ``poll()`` until it returns True, then ``finish()``)."""
 
@@ -213,7 +185,7 @@ class ReplicaGroups:
                ENV_LIGHTHOUSE: self.lighthouse.address,
                ENV_MIN: str(self.elastic.min if self.elastic else 1),
                "NUM_REPLICA_GROUPS": str(self.replicas), **env}
-        f = distributed(gpus=1, env=env, **self.launch_options)(_replica_entry)
+        f = distributed(gpus=1, env=env, **self.launch_options)(replica_entry)
         f.__name__ = getattr(self.fn, "__name__", "replica")   # the run's label: the user's name
         return f.submit(self.fn, self.args, self.kwargs)
 
@@ -308,59 +280,6 @@ class ReplicaGroups:
         else:
             self.given_up.append(replica)
         return failure
-
-    # ---------------------------------------------------------------- elastic size
-    def _resize(self) -> None:
-        """Apply :func:`elastic.decide`: start what the capacity allows, declare lost what was
-        not started in time, stop the run below min."""
-        slots = [Slot(r, self._state[r], self._since.get(r, 0.0),
-                      r not in self._launched or self.attempts[r] < self.max_group_restarts)
-                 for r in range(self.replicas)]
-        committed = any(read_steps(self.ft_dir, r)[-1:] for r in range(self.replicas))
-        capacity = int(self._capacity())
-        d = decide(slots, now=time.monotonic(), capacity=capacity, min_size=self.elastic.min,
-                   node_lost_timeout=self.elastic.node_lost_timeout,
-                   ending=bool(self.results), committed=committed)
-        for r in d.lose:
-            self._state[r] = "lost"
-            why = ("its restart budget is spent" if self.attempts[r] >= self.max_group_restarts
-                   else f"no capacity within node_lost_timeout="
-                        f"{self.elastic.node_lost_timeout:g} s (capacity {capacity})")
-            self.size_changes.append(SizeChange(
-                at=time.time(), step=self._run_step(), from_size=self.size,
-                to_size=self.size - 1, replica=r,
-                reason=f"replica {r} failed and was not started again: {why}"))
-            self.size -= 1
-        if d.fail:
-            self.stop()
-            raise ReplicasBelowMinError(
-                f"elastic run stopped: {d.fail}; every replica group was stopped. Size "
-                f"changes: {[str(c) for c in self.size_changes] or 'none'}")
-        for r in d.start:
-            grow = self._state[r] == "lost"
-            if r in self._launched:
-                self.attempts[r] += 1
-            for f in self.failures:
-                if f.replica == r and f.attempt == self.attempts[r] - 1:
-                    f.restarted = True
-            self._state[r] = "running"
-            self._since.pop(r, None)
-            if grow:
-                self._growing[r] = self.attempts[r]
-            self._launch(r)
-
-    def _record_growth(self) -> None:
-        """A group started after its place was lost grows the run at its first commit."""
-        for r, a in list(self._growing.items()):
-            first = next((rec for rec in read_steps(self.ft_dir, r) if rec.get("a") == a), None)
-            if first is None:
-                continue
-            del self._growing[r]
-            healed = f", healed to step {first['healed_to']}" if "healed_to" in first else ""
-            self.size_changes.append(SizeChange(
-                at=first["t"], step=first["step"], from_size=self.size, to_size=self.size + 1,
-                replica=r, reason=f"capacity returned: replica {r} joined{healed}"))
-            self.size += 1
 
     def _fill_in_rejoins(self) -> None:
         """For each failure whose group has committed again: when, at which step, and how
