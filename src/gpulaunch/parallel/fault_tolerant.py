@@ -55,7 +55,7 @@ class FaultTolerantPrepared(TorchPrepared):
     failed mid-step, or not enough groups were live); ``committed_step`` is the run's step (it
     jumps forward when this group heals); ``replicated`` is the :class:`gpulaunch.ft.Replicated`."""
 
-    def __init__(self, replicated, optimizer_inner, s, scheduler):
+    def __init__(self, replicated, s, scheduler):
         super().__init__("ft", replicated.model, replicated.optimizer, s.device, s.mixed_precision,
                          s.gradient_accumulation_steps, s.max_grad_norm, scheduler, None, None)
         self.replicated = replicated
@@ -142,4 +142,4 @@ def prepare_fault_tolerant(model, optimizer, s, **ft_kwargs) -> FaultTolerantPre
     if sched is not None:
         state.setdefault("lr_scheduler", sched)
     r = replicated(model, opt, state=state, **ft_kwargs)
-    return FaultTolerantPrepared(r, opt, s, sched)
+    return FaultTolerantPrepared(r, s, sched)
