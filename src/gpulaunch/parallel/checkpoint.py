@@ -126,6 +126,12 @@ def _broadcast(obj):
 # ---------------------------------------------------------------- what to save
 def _as_prepared(target, optimizer) -> Prepared:
     if isinstance(target, Prepared):
+        if target.strategy == "ft":
+            raise ParallelError(
+                "save/load_checkpoint does not take a fault_tolerant=True Prepared: every replica group is "
+                "its own one-rank world, so they would all write the same folder. A restarted group heals "
+                "from a live peer without a checkpoint; to keep one anyway, save from one group: "
+                "`if ft.replica_id() == 0: torch.save(p.unwrap().state_dict(), path)`.")
         if optimizer is not None:
             raise ParallelError("pass either a Prepared object or (model, optimizer=...), not both")
         return target

@@ -229,7 +229,7 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
             deepspeed_config: dict | None = None, micro_batch_size: int = 1,
             ddp_kwargs: dict | None = None, fsdp_kwargs: dict | None = None,
             planner_kwargs: dict | None = None, mesh: Mesh | dict | None = None,
-            tensor_plan=None) -> Prepared:
+            tensor_plan=None, fault_tolerant: bool = False) -> Prepared:
     """Wrap ``model`` (and build ``optimizer`` on the right parameters) for ``strategy``.
 
     Args:
@@ -259,6 +259,10 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
         lr_scheduler: a factory ``fn(optimizer) -> scheduler`` stepped once per optimizer step.
         blocks: FSDP2 wrap / checkpoint / compile units; default: detected (see :func:`find_blocks`).
         deepspeed_config: dict deep-merged over the generated DeepSpeed config.
+        fault_tolerant: run this replica group under torchft (:func:`gpulaunch.ft.replicated`) inside a
+            function started by :func:`gpulaunch.ft.run_replicas`: gradients averaged across the live
+            groups, a restarted group healing from a live peer. One rank per group; strategy 'auto',
+            'none' or 'ddp' only (see :mod:`gpulaunch.parallel.fault_tolerant`).
     """
     if not isinstance(model, nn.Module):
         raise ParallelError(f"prepare() takes an nn.Module, got {type(model).__name__}")
@@ -276,6 +280,14 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
         check_fp8_hardware(device)   # before anything is imported, converted or wrapped
 
     name = s.strategy
+    if fault_tolerant:
+        from .fault_tolerant import check_fault_tolerant, prepare_fault_tolerant
+        check_fault_tolerant(s, name)
+        if isinstance(optimizer, torch.optim.Optimizer):
+            check_optimizer_owns(optimizer, model)
+        from ..tracking.inrank import record_param
+        record_param("strategy", "ft")
+        return prepare_fault_tolerant(model, optimizer, s)
     if name == "auto":
         if s.mesh is not None:
             name, reason = auto.strategy_for_mesh(s.mesh.resolve(_env.world_size()))

@@ -1,0 +1,145 @@
+"""``prepare(..., fault_tolerant=True)``: the :class:`Prepared` loop API, backed by
+:func:`gpulaunch.ft.replicated` (torchft's Manager), for a function started by
+:func:`gpulaunch.ft.run_replicas`.
+
+Each replica group is one rank; torchft averages gradients across the live groups at each step,
+and a restarted group heals from a live peer. It is an option rather than a strategy because it
+replaces the process group the strategies use: inside one group there is nothing to shard or
+replicate, across groups torchft's DDP does the replication.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+
+import torch
+
+from ._env import ParallelError
+from ._optim import build_optimizer
+from .ddp import autocast_forward
+from .prepared import TorchPrepared
+
+__all__ = ["FaultTolerantPrepared", "check_fault_tolerant", "prepare_fault_tolerant"]
+
+_SUPPORTED = ("fault_tolerant=True supports strategy='auto', 'none' or 'ddp' (one rank per replica group, "
+              "torchft replicating across groups), mixed_precision=None or 'bf16', gradient_accumulation_steps, "
+              "max_grad_norm and lr_scheduler")
+
+
+def check_fault_tolerant(s, name: str) -> None:
+    """Refuse what cannot work under torchft, before anything is built."""
+    if name not in ("auto", "none", "ddp"):
+        raise ParallelError(f"fault_tolerant=True cannot run strategy={name!r}: torchft replicates whole "
+                            f"models across replica groups of one rank each. {_SUPPORTED}.")
+    if s.mesh is not None and any(n > 1 for n in (s.mesh.replicate, s.mesh.shard, s.mesh.context, s.mesh.tensor)):
+        raise ParallelError(f"fault_tolerant=True takes no mesh= (got {s.mesh}): sharded, tensor- or "
+                            f"context-parallel layouts need one process group that torchft replaces. {_SUPPORTED}.")
+    bad = [n for n, v in (("cpu_offload", s.cpu_offload), ("precision='fp8'", s.precision == "fp8"),
+                          ("mixed_precision='fp16'", s.mixed_precision == "fp16"),
+                          ("compile", s.compile is not None),
+                          ("activation_checkpointing", s.activation_checkpointing),
+                          ("deepspeed_config", s.deepspeed_config), ("fsdp_kwargs", s.fsdp_kwargs),
+                          ("ddp_kwargs", s.ddp_kwargs)) if v]
+    if bad:
+        raise ParallelError(f"fault_tolerant=True does not take {', '.join(bad)}. {_SUPPORTED}.")
+    from ..ft.replicated import ENV_LIGHTHOUSE
+    if not os.environ.get(ENV_LIGHTHOUSE):
+        raise ParallelError("prepare(..., fault_tolerant=True) needs replica groups and a torchft lighthouse: "
+                            "start the training function with gpulaunch.ft.run_replicas(fn, ..., replicas=N) "
+                            "(it starts both), or use strategy='ddp' without fault_tolerant.")
+
+
+class FaultTolerantPrepared(TorchPrepared):
+    """:class:`Prepared` under torchft. ``step()`` returns False when the step was dropped (a peer
+    failed mid-step, or not enough groups were live); ``committed_step`` is the run's step (it
+    jumps forward when this group heals); ``replicated`` is the :class:`gpulaunch.ft.Replicated`."""
+
+    def __init__(self, replicated, s, scheduler):
+        super().__init__("ft", replicated.model, replicated.optimizer, s.device, s.mixed_precision,
+                         s.gradient_accumulation_steps, s.max_grad_norm, scheduler, None, None)
+        self.replicated = replicated
+        self._inner_module = replicated.model.module
+        self._quorum = False       # torchft's quorum for this step started (optimizer.zero_grad())
+
+    def _open(self):
+        if not self._quorum:
+            self.optimizer.zero_grad(set_to_none=True)   # starts the step's quorum
+            self._quorum = True
+
+    def backward(self, loss):
+        self._open()
+        super().backward(loss)
+
+    def _clip(self):
+        params = [p for p in self._inner_module.parameters() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
+
+    def step(self):
+        if self.optimizer is None:
+            raise ParallelError("prepare() was called without an optimizer; pass optimizer= to train")
+        self._micro += 1
+        if self._micro % self.gradient_accumulation_steps:
+            return False
+        self._open()
+        if self.max_grad_norm:
+            self._clip()
+        done = self.optimizer.step()
+        self._quorum = False
+        if done and self.lr_scheduler is not None:
+            self.lr_scheduler.step()
+        return bool(done)
+
+    def zero_grad(self):
+        if self._micro % self.gradient_accumulation_steps == 0:
+            self._quorum = False
+            self._open()
+
+    @contextlib.contextmanager
+    def accumulate(self):
+        self._open()
+        if self.sync_gradients:
+            yield
+        else:
+            with self.model.no_sync():
+                yield
+
+    def unwrap(self):
+        return self._inner_module
+
+    @property
+    def committed_step(self) -> int:
+        return self.replicated.step
+
+    @property
+    def data_rank(self) -> int:
+        from ..ft import replica_id
+        return replica_id()
+
+    @property
+    def data_size(self) -> int:
+        from ..ft import num_replicas
+        return num_replicas()
+
+    def summary(self) -> dict:
+        return self.replicated.summary()
+
+    def shutdown(self) -> None:
+        self.replicated.shutdown()
+
+
+def prepare_fault_tolerant(model, optimizer, s, **ft_kwargs) -> FaultTolerantPrepared:
+    from ..ft import replicated
+
+    model.to(s.device)
+    opt = build_optimizer(optimizer, model.parameters())
+    if opt is None:
+        raise ParallelError("prepare(..., fault_tolerant=True) needs optimizer=: torchft commits optimizer steps")
+    if s.dtype is not None:
+        model.forward = autocast_forward(model.forward, s.device.type, s.dtype)
+    sched = s.lr_scheduler(opt) if s.lr_scheduler is not None else None
+    state = dict(ft_kwargs.pop("state", None) or {})
+    if sched is not None:
+        state.setdefault("lr_scheduler", sched)
+    r = replicated(model, opt, state=state, **ft_kwargs)
+    return FaultTolerantPrepared(r, s, sched)
