@@ -121,6 +121,12 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("zero3_fast_accelerate", group, "trl_sft_full_zero3", z3,
                         role="accelerate_fast", launcher="accelerate", smoke=smoke,
                         row="--speed auto under accelerate launch --use_deepspeed", est_s=60),
+                # one GPU: ZeRO-3 shards nothing and its hooks keep the layers from compiling;
+                # the same recipe as plain DDP (compiled layers, fused AdamW) is what one
+                # process can do, against the same anchor
+                _recipe("full_ddp_fast", group, "trl_sft_full_zero3",
+                        z3 + ["-x", "technique=ddp"], role="variant", smoke=smoke,
+                        row="trl_sft_full_zero3 --speed auto -x technique=ddp", est_s=60),
                 anchor("anchor_full_2", "full", role="anchor_full")]
     if group == "quality":
         return [_recipe("lora_ddp_plain", group, "trl_sft_lora_ddp", one_b + lora + plain,
@@ -194,6 +200,7 @@ def ratios(runs: list[dict]) -> dict:
     out["zero3_fast_vs_plain"] = ratio(z["zero3_fast"], z["zero3_plain"])
     out["zero3_plain_omp1_vs_plain"] = ratio(z["zero3_plain_omp1"], z["zero3_plain"])
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
+    out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
     return out
 
 
