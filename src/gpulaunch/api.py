@@ -104,11 +104,21 @@ class DistributedFunction:
     def submit(self, *args, **kwargs) -> RunHandle:
         """Start the run and return at once with a ``RunHandle``; logs are not streamed
         (read them with ``handle.logs()``)."""
+        if self.options.replicas is not None:
+            raise ConfigurationError(
+                f"{self.__name__}.submit(...) with replicas=: a replica run is supervised by "
+                f"this process until every group ends; call {self.__name__}.distributed(...) "
+                "(in a thread if it must not block).")
         return RunHandle(self._launch(args, kwargs, stream=False), background=True)
 
     def distributed(self, *args, **kwargs) -> list:
         """Run on every rank and block; return the list of per-rank results (global rank
-        order), or raise the root-cause error. Ctrl-C / a notebook interrupt stops every rank."""
+        order), or raise the root-cause error. Ctrl-C / a notebook interrupt stops every rank.
+        With ``replicas=``: a ``gpulaunch.ft.ReplicasResult`` (each group's results, failures
+        and size changes) once every replica group has ended."""
+        if self.options.replicas is not None:
+            from .ft.run import run_decorated as run_replica_groups
+            return run_replica_groups(self, args, kwargs)
         run = self._launch(args, kwargs, stream=self.options.stream_logs != "none")
         return RunHandle(run, background=False).follow()
 
@@ -151,6 +161,9 @@ class RayLaunchFunction(DistributedFunction):
 
     def _launch(self, args, kwargs, *, stream: bool):
         opts = self.options
+        if opts.replicas is not None:
+            raise ConfigurationError("@ray_launch with replicas=: replica groups are local "
+                                     "launches; use @distributed(replicas=...)")
         if not opts.remote:
             # Not remote: a private Ray instance on this host holds the allocation, sized to
             # this host's GPUs (or 2 CPU slots without one).

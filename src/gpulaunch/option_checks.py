@@ -160,6 +160,14 @@ def gpu_type(value):
 
 
 # --------------------------------------------------------------------------- CLI parsers
+def replicas(value):
+    """None, an int, (min, max) or gpulaunch.ft.Replicas: checked without importing torchft."""
+    if value is None:
+        return None
+    from .common.replica_spec import Replicas
+    return Replicas.of(value)
+
+
 def cli_seconds(text: str) -> float | None:
     return None if text.strip().lower() in ("none", "0", "inf", "") else float(text)
 

@@ -137,6 +137,12 @@ class LaunchOptions:
         "15 idle minutes), a number of idle seconds, or False. gpulaunch.shutdown() releases "
         "them (README: iterate fast in a notebook).", check=checks.keep_alive)
 
+    replicas: Any = setting(
+        None, "fault-tolerant replica groups (gpulaunch[ft], on torchft): N groups, (min, max) "
+        "for an elastic size, or gpulaunch.ft.Replicas(...). A failed group is replaced alone "
+        "while the others keep stepping, and heals from a live peer; .distributed() then "
+        "returns a gpulaunch.ft.ReplicasResult (docs/fault-tolerance.md).",
+        check=checks.replicas)
     panel: bool | None = setting(None, "the live run panel in Jupyter: None (on in a kernel "
         "with ipywidgets; GPULAUNCH_PANEL=0: off), True or False.", check=checks.flag("panel", True))
     debug: bool = setting(False, "on a rank's error, serve pdb there on loopback (`gpulaunch "
@@ -149,6 +155,9 @@ class LaunchOptions:
                 object.__setattr__(self, f.name, check(getattr(self, f.name)))
         if self.cluster is not None and not self.remote:
             object.__setattr__(self, "remote", True)
+        if self.replicas is not None:
+            from .common.replica_spec import conflicts
+            conflicts(self)
 
     # the seed product's newer spellings
     num_accelerators = property(lambda self: self.gpus)

@@ -27,13 +27,15 @@ returns (``r.shards()`` keeps the global batch); ``result.size_changes`` lists e
 See docs/fault-tolerance.md.
 """
 
+from ..common.replica_spec import Replicas
 from .elastic import Capacity, ReplicasBelowMinError, SizeChange
 from .lighthouse import Lighthouse, LighthouseError
-from .replicas import ReplicaGroups, run_replicas
+from .replicas import ReplicaGroups
 from .replicated import Replicated, attempt, num_replicas, replica_id, replicated
 from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
+from .run import run_replicas
 
 __all__ = ["Capacity", "Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups",
-           "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange", "attempt",
+           "Replicas", "Replicas", "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange", "attempt",
            "group_pids", "num_replicas", "read_steps", "replica_id", "replicated",
            "run_replicas"]

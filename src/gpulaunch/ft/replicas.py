@@ -3,11 +3,10 @@
     from gpulaunch import ft
 
     result = ft.run_replicas(train, 200, replicas=3, max_group_restarts=5)
-    result.results            # {replica: [rank results]} of each group's last attempt
-    result.failures           # [ReplicaFailure(replica=1, attempt=0, steps_missed=4, ...)]
+    result.results, result.failures   # each group's last results; [ReplicaFailure(...), ...]
 
-Each replica group is an ordinary gpulaunch launch (``distributed(...).submit()``: its own
-agent, ranks, rendezvous and logs), told its replica number and the lighthouse's address. The
+Each replica group is an ordinary gpulaunch launch (the launch pipeline: its own agent, ranks,
+rendezvous and logs), told its replica number and the lighthouse's address. The
 lighthouse (a child process of the caller, ``lighthouse.py``) is started first and supervised:
 if it dies it is started again on the same port, ``max_lighthouse_restarts`` times. When a
 group fails, only that group is launched again; it joins the live groups' next quorum and takes
@@ -28,10 +27,10 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from ..common.procutil import pid_alive
-from ..errors import ConfigurationError, RunError
+from ..errors import ConfigurationError
 from .elastic import (
     CapacityLike,
     ReplicasBelowMinError,
@@ -180,14 +179,19 @@ class ReplicaGroups(ElasticSizing):
                 "REPLICA_GROUP_ID": str(replica)}
 
     def _submit(self, env: dict[str, str]):
-        from ..api import distributed
+        # the launch pipeline .submit() calls, not the decorator (built on this module)
+        from ..caller import handle, pipeline
+        from ..common.records import Entry
+        from ..options import build
         env = {**self.extra_env, ENV_REPLICAS: str(self.replicas), ENV_DIR: str(self.ft_dir),
                ENV_LIGHTHOUSE: self.lighthouse.address,
                ENV_MIN: str(self.elastic.min if self.elastic else 1),
                "NUM_REPLICA_GROUPS": str(self.replicas), **env}
-        f = distributed(gpus=1, env=env, **self.launch_options)(replica_entry)
-        f.__name__ = getattr(self.fn, "__name__", "replica")   # the run's label: the user's name
-        return f.submit(self.fn, self.args, self.kwargs)
+        run = pipeline.launch(build(gpus=1, env=env, **self.launch_options), Entry("function"),
+                              label=getattr(self.fn, "__name__", "replica"),   # the user's name
+                              call=(replica_entry, (self.fn, self.args, self.kwargs), {}, {}),
+                              stream=False, standby=True)
+        return handle.RunHandle(run, background=True)
 
     def _launch(self, replica: int) -> None:
         """Start ``replica``'s current attempt: on a waiting spare if there is one."""
@@ -337,54 +341,3 @@ class ReplicaGroups(ElasticSizing):
         if self._own_dir:
             shutil.rmtree(self.ft_dir, ignore_errors=True)
         return result
-
-
-def run_replicas(fn: Callable, *args, replicas: int | tuple[int, int] = 2,
-                 max_group_restarts: int = 3, lighthouse: str | Lighthouse | None = None,
-                 poll_s: float = 0.1, on_poll: Callable[[ReplicaGroups], None] | None = None,
-                 node_lost_timeout: float | None = None, capacity: CapacityLike = None,
-                 **options) -> ReplicasResult:
-    """Run ``fn(*args)`` as ``replicas`` fault-tolerant replica groups and block until all end.
-
-    ``fn`` builds its model and calls :func:`gpulaunch.ft.replicated` (see that module). A
-    group that fails (crash, SIGKILL, error) is launched again, up to ``max_group_restarts``
-    times, while the others keep training; it heals from a live peer. Keyword arguments that
-    are not settings here are passed to ``fn`` if its signature takes them, else used as
-    launch settings (``timeout=``, ``shutdown_grace=``, ``extra_env=``, ...).
-
-    ``replicas=(min, max)`` makes the size elastic (``elastic.py``): ``max`` groups (or as many
-    as ``capacity`` allows), a failed group started again only when ``capacity``
-    (a :class:`~gpulaunch.ft.Capacity`, an int or a callable; default: always ``max``) allows;
-    one not started within ``node_lost_timeout`` seconds (default 60) leaves the run smaller,
-    and a group is started again when capacity returns. Below ``min`` for that long, the run
-    stops with :class:`~gpulaunch.ft.ReplicasBelowMinError`. ``result.size_changes`` lists
-    every change.
-
-    Returns a :class:`ReplicasResult`; raises the last group's error if no group finished.
-    """
-    import inspect
-    target = getattr(fn, "func", fn)
-    params = inspect.signature(target).parameters
-    fn_kwargs = {k: options.pop(k) for k in list(options) if k in params}
-    groups = ReplicaGroups(fn, args, fn_kwargs, replicas=replicas,
-                           max_group_restarts=max_group_restarts, lighthouse=lighthouse,
-                           node_lost_timeout=node_lost_timeout, capacity=capacity, **options)
-    groups.start()
-    last_error: BaseException | None = None
-    try:
-        while not groups.poll():
-            if on_poll is not None:
-                on_poll(groups)
-            time.sleep(poll_s)
-    except BaseException as e:
-        last_error = e
-        groups.stop()
-        raise
-    finally:
-        if last_error is None:
-            result = groups.finish()
-        else:
-            groups.finish()
-    if not result.results:
-        raise RunError(f"every replica group failed and none finished:\n{result.summary()}")
-    return result

@@ -29,7 +29,9 @@ OWNED = {"gpus": "compute.gpus", "gpu_type": "compute.gpu_type",
 # LaunchOptions fields that mean nothing for a detached job, and why.
 NOT_FOR_JOBS = {"keep_alive": "an attempt's process ends with its run, so there is no next "
                               "call to keep ranks warm for",
-                "panel": "a job has no notebook to draw a panel in"}
+                "panel": "a job has no notebook to draw a panel in",
+                "replicas": "a job runs one launch per attempt; run ft.run_replicas from the "
+                            "job's script for replica groups"}
 
 
 def item(default=None, doc: str = "", *, check=None, factory=None):
