@@ -22,8 +22,9 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
   arguments: gradient checkpointing, eager attention; 3,312 tokens/s on an H200 on 2026-12-03)
   against ``--speed auto`` (sink attention through SDPA, grouped_mm experts, compiled layers,
   no checkpointing where the planner fits it), same steps and seed, eval loss within 2%; then,
-  while the budget lasts, ``--speed auto`` with mb 2 x ga 1 (the same tokens a step) and with
-  ``-x compile=false``. Target: fast / plain >= 2.0.
+  while the budget lasts, ``--speed auto`` with mb 2 x ga 1 (the same tokens a step), with
+  ``-x compile=false`` and with transformers' flex attention (sinks through its log-sum-exp;
+  CUDA only, not in the smoke). Target: fast / plain >= 2.0.
 
     python bench/llm_speed.py --carry                   # here: copy the anchors to .device-carry
     bash bench/llm_speed.sh                             # there (GPU): GROUP=lora|full|quality
@@ -169,6 +170,9 @@ def gptoss_plan(smoke: bool) -> list[Item]:
             fast("gptoss_fast_eager", "gpt-oss-20b --speed auto -x compile=false", "--speed",
                  "auto", "-x", "compile=false", est_s=70)]
     rows[1].role = "fast"
+    if not smoke:   # transformers runs flex attention's sinks on CUDA only
+        rows.append(fast("gptoss_fast_flex", "gpt-oss-20b --speed auto --attn flex_attention",
+                         "--speed", "auto", "--attn", "flex_attention", est_s=170))
     return rows
 
 
@@ -236,7 +240,7 @@ def ratios(runs: list[dict]) -> dict:
     out["zero3_plain_omp1_vs_plain"] = ratio(z["zero3_plain_omp1"], z["zero3_plain"])
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
     plain = _rate(by.get("gptoss_plain", {}))
-    for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager"):
+    for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
         out[f"{label}_vs_plain"] = ratio(_rate(by.get(label, {})), plain)
     return out
 
@@ -247,7 +251,8 @@ def loss_checks(runs: list[dict]) -> dict:
     out = {}
     for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
                         ("zero3_fast", "zero3_plain"), ("gptoss_fast", "gptoss_plain"),
-                        ("gptoss_fast_mb2", "gptoss_plain"), ("gptoss_fast_eager", "gptoss_plain")):
+                        ("gptoss_fast_mb2", "gptoss_plain"), ("gptoss_fast_eager", "gptoss_plain"),
+                        ("gptoss_fast_flex", "gptoss_plain")):
         a, b = by.get(fast), by.get(plain)
         if a is not None and b is not None:
             rel = abs(a - b) / abs(b)

@@ -28,14 +28,15 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "20 runs" in p.stdout and "lora_ddp_eager" in labels
+    assert "21 runs" in p.stdout and "lora_ddp_eager" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
-    assert labels.index("gptoss_plain") < labels.index("gptoss_fast") and len(gpt) == 4
+    assert labels.index("gptoss_plain") < labels.index("gptoss_fast") and len(gpt) == 5
     assert "--speed off" in gpt[0] and "--gradient-checkpointing --attn eager" in gpt[0]
     assert all("--speed auto" in g and "--attn" not in g and "--gradient-checkpointing" not in g
-               for g in gpt[1:])
+               for g in gpt[1:4])
+    assert "--attn flex_attention" in gpt[4]
     assert "--batch-size 2 --grad-accum 1" in gpt[2]
 
 
