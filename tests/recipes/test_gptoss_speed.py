@@ -166,3 +166,44 @@ def test_compiled_gpt_oss_layers_have_no_graph_break_and_the_same_numbers():
     _close(ref, got, atol=1e-5)
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] <= 2    # layer 0 (input without grad), the rest
+
+
+@pytest.mark.unit
+def test_sink_attention_keeps_no_heads_x_t_x_t_scores_for_backward():
+    """Bytes autograd keeps for one gpt-oss attention call (64 heads of 64, 8 kv heads, bf16):
+    eager keeps the heads x T x (T+1) probabilities; SDPA keeps q, k, v (padded to 72), the
+    output, its log-sum-exp and the boolean mask."""
+    from transformers.models.gpt_oss import modeling_gpt_oss
+
+    from gpulaunch.hf.sink_attention import sdpa_sinks_attention_forward
+    t, heads, kv, d = 1024, 64, 8, 64
+
+    class Attn(torch.nn.Module):
+        num_key_value_groups, training = heads // kv, True
+
+    def kept(fn) -> int:
+        q = torch.randn(1, heads, t, d, dtype=torch.bfloat16, requires_grad=True)
+        k, v = (torch.randn(1, kv, t, d, dtype=torch.bfloat16, requires_grad=True)
+                for _ in range(2))
+        module = Attn()
+        module.sinks = torch.zeros(heads, dtype=torch.bfloat16)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()[None, None]
+        seen = {}
+
+        def pack(x):
+            seen[x.data_ptr()] = x.untyped_storage().nbytes()
+            return x
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda x: x):
+            if fn == "eager":
+                additive = torch.zeros(t, t, dtype=torch.bfloat16).masked_fill(~causal, -1e4)
+                modeling_gpt_oss.eager_attention_forward(module, q, k, v, additive,
+                                                         scaling=d ** -0.5)
+            else:
+                sdpa_sinks_attention_forward(module, q, k, v, causal, scaling=d ** -0.5,
+                                             s_aux=module.sinks)
+        return sum(seen.values())
+    scores = heads * t * (t + 1) * 2
+    assert kept("eager") >= scores
+    # linear in T: q, k, v, output (72 wide) and the log-sum-exp, plus the (T+1)-wide mask
+    # (boolean, and the kernel's own additive copy): measured 40 MB here, 134 MB for eager
+    assert kept("sdpa") <= 5 * heads * t * 72 * 2 + 4 * t * (t + 1) < scores / 2
