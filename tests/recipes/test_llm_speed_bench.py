@@ -37,7 +37,7 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert all("--speed auto" in g and "--attn" not in g and "--gradient-checkpointing" not in g
                for g in gpt[1:4])
     assert "--attn flex_attention" in gpt[4]
-    assert "--batch-size 2 --grad-accum 1" in gpt[2]
+    assert "-x compile=false" in gpt[2] and "--batch-size 2 --grad-accum 1" in gpt[3]
 
 
 @pytest.mark.unit
