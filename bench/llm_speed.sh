@@ -3,6 +3,7 @@
 #   GROUP=lora    bash bench/llm_speed.sh   # LoRA anchor A .. recipes, fused by hand .. A
 #   GROUP=full    bash bench/llm_speed.sh   # full anchor A .. ZeRO-3 fast/plain x gpulaunch/accelerate .. A
 #   GROUP=quality bash bench/llm_speed.sh   # LoRA recipes --speed off (the eval-loss baseline)
+#   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)
 # Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
 # .device-carry/anchors (python3 bench/llm_speed.py --carry, here).
 # Writes $OUT/llm_speed.{json,md}, $OUT/llm-speed-logs.tar.gz, $OUT/driver.log.
