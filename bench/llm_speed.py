@@ -17,6 +17,9 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
 - ``quality``: ``trl_sft_lora_ddp`` and ``trl_sft_lora_fsdp`` with ``--speed off``, the same
   steps and seed: each fast run's final eval loss must be within 2% of its plain twin's (the
   ZeRO-3 pair is in ``full``).
+- ``frameworks``: Unsloth's LoRA recipe and the TRL LoRA recipe on the same model (Llama-3.2-3B),
+  shape and adapter, both with tokens counted from the batches each step fetched; needs
+  ``.device-carry/llm-frameworks.tar.xz`` (``bash bench/llm_frameworks_bundle.sh``) carried too.
 - ``gptoss``: ``trl_sft_lora_ddp`` on gpt-oss-20b (random init, bf16, 2048 tokens, LoRA r 8
   all-linear, mb 1 x ga 2), no anchor: the seed's settings (``--speed off``, the phase-2 row's
   arguments: gradient checkpointing, eager attention; 3,312 tokens/s on an H200 on 2026-12-03)
@@ -53,7 +56,7 @@ sys.path.insert(0, str(HERE))
 import llm_recipes_gpu as recipes_bench  # noqa: E402  (Run, execute, shapes: one launcher code)
 
 ROOT = HERE.parent
-GROUPS = ("lora", "full", "quality", "gptoss")
+GROUPS = ("lora", "full", "quality", "frameworks", "gptoss")
 LOSS_TOLERANCE = 0.02
 
 
@@ -69,11 +72,11 @@ class Item:
 
 
 def _recipe(label, group, recipe, args, *, role, row, est_s, launcher="gpulaunch", smoke=False,
-            env=None):
+            env=None, site="trl"):
     accel = ["--mixed_precision", "no" if smoke else "bf16"] if launcher == "accelerate" else []
     run = recipes_bench.Run(label, recipe, args, launcher=launcher, limit_s=2 * est_s + 60,
                             est_s=est_s, row=row, group=group, launcher_args=accel,
-                            extra_env=dict(env or {}))
+                            extra_env=dict(env or {}), site=site)
     return Item(label, group, row, est_s, recipe=run, role=role)
 
 
@@ -129,6 +132,12 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("zero3_fast_accelerate", group, "trl_sft_full_zero3", z3,
                         role="accelerate_fast", launcher="accelerate", smoke=smoke,
                         row="--speed auto under accelerate launch --use_deepspeed", est_s=60),
+                # one GPU: ZeRO-3 shards nothing and its hooks keep the layers from compiling;
+                # the same recipe as plain DDP (compiled layers, fused AdamW) is what one
+                # process can do, against the same anchor
+                _recipe("full_ddp_fast", group, "trl_sft_full_zero3",
+                        z3 + ["-x", "technique=ddp"], role="variant", smoke=smoke,
+                        row="trl_sft_full_zero3 --speed auto -x technique=ddp", est_s=60),
                 anchor("anchor_full_2", "full", role="anchor_full")]
     if group == "quality":
         return [_recipe("lora_ddp_plain", group, "trl_sft_lora_ddp", one_b + lora + plain,
@@ -136,6 +145,21 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("lora_fsdp_plain", group, "trl_sft_lora_fsdp",
                         one_b + lora + plain + fsdp_cpu, role="plain",
                         row="trl_sft_lora_fsdp --speed off", est_s=50, smoke=smoke)]
+    if group == "frameworks":
+        # Unsloth's LoRA (its own patched step and gradient checkpointing) beside the TRL LoRA
+        # recipe on the same model, shape and adapter: Llama-3.2-3B, 2 x 2048 tokens, 4
+        # micro-batches a step, LoRA r 16 alpha 16 on all seven projections. Tokens are counted
+        # from the batches each optimizer step fetched in both (``token_counter``).
+        three_b = recipes_bench._shape(smoke, "llama-3.2-3b", 2048, 2, 4, 4 if smoke else 16,
+                                       "--measure-after", "4", "--eval-batches", "1",
+                                       "--lr", "2e-4", "--warmup-steps", "2") + ["-x", "save=false"]
+        r16 = ["--lora-r", "16", "--lora-alpha", "16", "--lora-dropout", "0"]
+        return [_recipe("unsloth_3b", group, "unsloth_sft_lora_ddp", three_b + r16,
+                        role="framework", site="unsloth", smoke=smoke, est_s=80,
+                        row="unsloth_sft_lora_ddp Llama-3.2-3B (Unsloth's step and checkpointing)"),
+                _recipe("trl_lora_3b", group, "trl_sft_lora_ddp", three_b + r16,
+                        role="framework_twin", smoke=smoke, est_s=70,
+                        row="trl_sft_lora_ddp --speed auto, the same model, shape and adapter")]
     if group == "gptoss":
         return gptoss_plan(smoke)
     raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)} or all")
@@ -240,6 +264,9 @@ def ratios(runs: list[dict]) -> dict:
     out["zero3_fast_vs_plain"] = ratio(z["zero3_fast"], z["zero3_plain"])
     out["zero3_plain_omp1_vs_plain"] = ratio(z["zero3_plain_omp1"], z["zero3_plain"])
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
+    out["trl_lora_3b_vs_unsloth_3b"] = ratio(_rate(by.get("trl_lora_3b", {})),
+                                             _rate(by.get("unsloth_3b", {})))
+    out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
     plain = _rate(by.get("gptoss_plain", {}))
     for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
         out[f"{label}_vs_plain"] = ratio(_rate(by.get(label, {})), plain)

@@ -3,6 +3,8 @@
 #   GROUP=lora    bash bench/llm_speed.sh   # LoRA anchor A .. recipes, fused by hand .. A
 #   GROUP=full    bash bench/llm_speed.sh   # full anchor A .. ZeRO-3 fast/plain x gpulaunch/accelerate .. A
 #   GROUP=quality bash bench/llm_speed.sh   # LoRA recipes --speed off (the eval-loss baseline)
+#   GROUP=frameworks bash bench/llm_speed.sh  # Unsloth vs TRL LoRA, Llama-3.2-3B (also carry
+#                                             # .device-carry/llm-frameworks.tar.xz)
 #   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)
 # Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
 # .device-carry/anchors (python3 bench/llm_speed.py --carry, here).
@@ -20,6 +22,10 @@ if [ -d .device-carry/llm-whl ]; then
       || { echo "installing the TRL stack failed"; exit 1; }
   fi
 fi
+if [ -f .device-carry/llm-frameworks.tar.xz ] && [ ! -d /tmp/site-unsloth ]; then
+  tar -C /tmp -xJf .device-carry/llm-frameworks.tar.xz || echo "unpacking the frameworks failed"
+fi
+export LLM_SITE_UNSLOTH=/tmp/site-unsloth:/tmp/site-fwcommon
 export LLM_SITE_TRL=/tmp/site PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 echo "installs: $(( $(date +%s) - t0 )) s"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1
