@@ -20,6 +20,14 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
 - ``frameworks``: Unsloth's LoRA recipe and the TRL LoRA recipe on the same model (Llama-3.2-3B),
   shape and adapter, both with tokens counted from the batches each step fetched; needs
   ``.device-carry/llm-frameworks.tar.xz`` (``bash bench/llm_frameworks_bundle.sh``) carried too.
+- ``gptoss``: ``trl_sft_lora_ddp`` on gpt-oss-20b (random init, bf16, 2048 tokens, LoRA r 8
+  all-linear, mb 1 x ga 2), no anchor: the seed's settings (``--speed off``, the phase-2 row's
+  arguments: gradient checkpointing, eager attention; 3,312 tokens/s on an H200 on 2026-12-03)
+  against ``--speed auto`` (sink attention through SDPA, grouped_mm experts, compiled layers,
+  no checkpointing where the planner fits it), same steps and seed, eval loss within 2%; then,
+  while the budget lasts, ``--speed auto`` with ``-x compile=false``, with mb 2 x ga 1 (the
+  same tokens a step) and with transformers' flex attention (sinks through its log-sum-exp;
+  CUDA only, not in the smoke). Target: fast / plain >= 2.0.
 
     python bench/llm_speed.py --carry                   # here: copy the anchors to .device-carry
     bash bench/llm_speed.sh                             # there (GPU): GROUP=lora|full|quality
@@ -48,7 +56,7 @@ sys.path.insert(0, str(HERE))
 import llm_recipes_gpu as recipes_bench  # noqa: E402  (Run, execute, shapes: one launcher code)
 
 ROOT = HERE.parent
-GROUPS = ("lora", "full", "quality", "frameworks")
+GROUPS = ("lora", "full", "quality", "frameworks", "gptoss")
 LOSS_TOLERANCE = 0.02
 
 
@@ -152,7 +160,45 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("trl_lora_3b", group, "trl_sft_lora_ddp", three_b + r16,
                         role="framework_twin", smoke=smoke, est_s=70,
                         row="trl_sft_lora_ddp --speed auto, the same model, shape and adapter")]
+    if group == "gptoss":
+        return gptoss_plan(smoke)
     raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)} or all")
+
+
+GPTOSS_STEPS = 48          # 40 steady steps: ~49 s plain (3.3k tokens/s), ~20 s at 8k
+
+
+def gptoss_plan(smoke: bool) -> list[Item]:
+    """The seed's gpt-oss-20b row (bench/llm_recipes_gpu.py phase 2, ``--speed off``) against
+    ``--speed auto``, the same steps; the fast run drops the seed's explicit
+    ``--gradient-checkpointing`` and ``--attn eager`` (they would win over ``--speed auto``)."""
+    group, nosave = "gptoss", ["-x", "save=false"]
+    steps = 4 if smoke else GPTOSS_STEPS
+
+    def shape(*more, mb=1, ga=2):
+        return recipes_bench._shape(smoke, "gpt-oss-20b", 2048, mb, ga, steps, "--measure-after",
+                                    "8", "--eval-batches", "1", *more, *nosave)
+    seed = ["--gradient-checkpointing", *([] if smoke else ["--attn", "eager"])]
+    mb2 = ["--batch-size", "2", "--grad-accum", "1"] if smoke else []
+
+    def fast(label, row, *more, est_s=150, **kw):
+        return _recipe(label, group, "trl_sft_lora_ddp", shape(*more, **kw), role="variant",
+                       row=row, est_s=est_s, smoke=smoke)
+    rows = [_recipe("gptoss_plain", group, "trl_sft_lora_ddp",
+                    shape("--speed", "off", *seed), role="plain", est_s=90, smoke=smoke,
+                    row="gpt-oss-20b trl_sft_lora_ddp --speed off (seed: mb 1 x ga 2, grad. "
+                        "ckpt, eager attention)"),
+            fast("gptoss_fast", "gpt-oss-20b --speed auto (mb 1 x ga 2)", "--speed", "auto"),
+            # is compiling the MoE layers worth its compile time? (cheap: no compile)
+            fast("gptoss_fast_eager", "gpt-oss-20b --speed auto -x compile=false", "--speed",
+                 "auto", "-x", "compile=false", est_s=70),
+            fast("gptoss_fast_mb2", "gpt-oss-20b --speed auto, mb 2 x ga 1", "--speed", "auto",
+                 *mb2, mb=2, ga=1)]
+    rows[1].role = "fast"
+    if not smoke:   # transformers runs flex attention's sinks on CUDA only
+        rows.append(fast("gptoss_fast_flex", "gpt-oss-20b --speed auto --attn flex_attention",
+                         "--speed", "auto", "--attn", "flex_attention", est_s=170))
+    return rows
 
 
 def anchor_command(item: Item, json_path: Path) -> list[str]:
@@ -221,6 +267,9 @@ def ratios(runs: list[dict]) -> dict:
     out["trl_lora_3b_vs_unsloth_3b"] = ratio(_rate(by.get("trl_lora_3b", {})),
                                              _rate(by.get("unsloth_3b", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
+    plain = _rate(by.get("gptoss_plain", {}))
+    for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
+        out[f"{label}_vs_plain"] = ratio(_rate(by.get(label, {})), plain)
     return out
 
 
@@ -229,7 +278,9 @@ def loss_checks(runs: list[dict]) -> dict:
     by = {r["label"]: (r.get("result") or {}).get("eval_loss_after") for r in runs}
     out = {}
     for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
-                        ("zero3_fast", "zero3_plain")):
+                        ("zero3_fast", "zero3_plain"), ("gptoss_fast", "gptoss_plain"),
+                        ("gptoss_fast_mb2", "gptoss_plain"), ("gptoss_fast_eager", "gptoss_plain"),
+                        ("gptoss_fast_flex", "gptoss_plain")):
         a, b = by.get(fast), by.get(plain)
         if a is not None and b is not None:
             rel = abs(a - b) / abs(b)
@@ -241,16 +292,20 @@ def loss_checks(runs: list[dict]) -> dict:
 def markdown(summary: dict) -> str:
     rat, checks = summary["ratios"], summary["loss_checks"]
     lines = [f"{summary['when']}, {summary['machine']}, `{summary['command']}`", "",
-             "| run | tokens/s (steady) | vs anchor | eval loss end | technique | rc |",
-             "|---|---|---|---|---|---|"]
+             "| run | tokens/s (steady) | vs anchor | MFU | peak GiB | eval loss end | technique "
+             "| rc |", "|---|---|---|---|---|---|---|---|"]
     for r in summary["runs"]:
         x = r.get("result") or {}
         vs = rat.get(f"{r['label']}_vs_anchor_lora")
         if r["label"].startswith("zero3_fast") and r["label"] == "zero3_fast":
             vs = rat.get("zero3_fast_vs_anchor_full")
-        rate = x.get("steady_tokens_per_second")
+        if r["label"].startswith("gptoss_fast"):                  # no anchor: vs the seed's
+            vs = rat.get(f"{r['label']}_vs_plain")
+        rate, mfu, peak = (x.get(k) for k in ("steady_tokens_per_second", "mfu",
+                                              "peak_memory_gib"))
         lines.append(f"| {r['row']} (`{r['label']}`) | {round(rate) if rate else '-'} | "
                      f"{vs if vs is not None else '-'} | "
+                     f"{f'{100 * mfu:.1f}%' if mfu else '-'} | {f'{peak:.1f}' if peak else '-'} | "
                      f"{x.get('eval_loss_after', x.get('loss', '-'))} | "
                      f"{x.get('technique', 'by hand')} | {r['rc']} |")
     lines += ["", "Ratios: " + json.dumps({k: v for k, v in rat.items() if v is not None}),

@@ -5,6 +5,7 @@
 #   GROUP=quality bash bench/llm_speed.sh   # LoRA recipes --speed off (the eval-loss baseline)
 #   GROUP=frameworks bash bench/llm_speed.sh  # Unsloth vs TRL LoRA, Llama-3.2-3B (also carry
 #                                             # .device-carry/llm-frameworks.tar.xz)
+#   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)
 # Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
 # .device-carry/anchors (python3 bench/llm_speed.py --carry, here).
 # Writes $OUT/llm_speed.{json,md}, $OUT/llm-speed-logs.tar.gz, $OUT/driver.log.

@@ -101,7 +101,8 @@ def train(opts: options.RecipeOptions) -> dict:
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
     # the fast settings for this host and model (--speed off: the seed's plain ones)
     fast = speed.settings(opts, device, technique=sft.FSDP2 if device.type == "cuda" else sft.DDP, config=speed.model_config(opts, tokenizer),
-                          lora=True, world_size=rt.get_world_size())
+                          lora=True, world_size=rt.get_world_size(),
+                          adapted_experts=bool(arch.lora_expert_parameters))
     opts, speed_args, model_kwargs = speed.apply(opts, fast)
     config = sft.sft_config(opts, technique=sft.FSDP2, output_dir=out_dir, device=device,
                             prec=prec, decoder_layer=arch.decoder_layer,

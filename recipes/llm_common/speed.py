@@ -58,8 +58,10 @@ def model_config(opts, tokenizer):
                                       layers=opts.layers)
 
 
-def settings(opts, device, *, technique: str, config, lora: bool, world_size: int):
-    """gpulaunch.hf.speed_settings for this run, or None with ``--speed off``."""
+def settings(opts, device, *, technique: str, config, lora: bool, world_size: int,
+             adapted_experts: bool = False):
+    """gpulaunch.hf.speed_settings for this run, or None with ``--speed off``.
+    ``adapted_experts``: LoRA also adapts the MoE expert parameters."""
     if opts.speed not in MODES:
         raise SystemExit(f"--speed {opts.speed!r}: use one of {', '.join(MODES)}")
     if opts.speed == "off":
@@ -70,7 +72,7 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
                        micro_batch_size=opts.batch_size, lora_rank=opts.lora_r if lora else None,
                        world_size=world_size, packed=opts.packed,
                        compile=opts.extra.get("compile"), liger=opts.extra.get("liger"),
-                       gradient_checkpointing=ckpt)
+                       gradient_checkpointing=ckpt, adapted_experts=adapted_experts)
     if "fused_lora" in opts.extra:
         s.fuse_lora = bool(opts.extra["fused_lora"]) and lora
         s.reasons["fuse_lora"] = "asked for"

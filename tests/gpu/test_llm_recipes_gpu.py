@@ -176,15 +176,20 @@ def test_llmfoundry_on_gpu(tmp_path):
 
 # ------------------------------------------------------------------ the fast settings (--speed auto)
 def test_fast_settings_are_in_effect_on_gpu(tmp_path):
-    """--speed auto (the default) on a GPU: compiled, Liger kernels, fused AdamW, fused LoRA,
-    no gradient checkpointing (the planner: a tiny model fits), and the model still learns."""
-    missing = importable("trl", ("trl", "datasets", "peft", "liger_kernel"), tmp_path)
+    """--speed auto (the default) on a GPU, the recipe's gpt-oss (tiny): the decoder layers
+    compiled (grouped_mm experts: one graph; not the whole model, so no Liger), gpt-oss' sink
+    attention through SDPA, fused AdamW, fused LoRA, no gradient checkpointing (the planner: a
+    tiny model fits), no frame past Dynamo's recompile limit, and the model still learns."""
+    missing = importable("trl", ("trl", "datasets", "peft"), tmp_path)
     assert missing is None, missing
     r, _ = run_recipe("trl_sft_lora_ddp", tmp_path, "--lora-dropout", "0", "-x", "save=false")
     speed = {k: v["value"] for k, v in r["speed"].items()}
-    assert speed["torch_compile"] is True and speed["use_liger_kernel"] is True, r["speed"]
+    assert speed["compile_layers"] is True and speed["torch_compile"] is False, r["speed"]
+    assert speed["use_liger_kernel"] is False and speed["experts_implementation"] == "grouped_mm"
+    assert speed["attn_implementation"] == "gpulaunch_sinks"
     assert speed["optim"] == "adamw_torch_fused" and speed["gradient_checkpointing"] is False
-    assert r["fused_lora"]["fused"] > 0
+    assert speed["recompile_limit_hits"] == [], speed
+    assert r["fused_lora"]["fused"] > 0 and r["compiled_layers"]["layer"] == "GptOssDecoderLayer"
     check_measured(r)
 
 

@@ -28,7 +28,16 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "19 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "24 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
+    # explicit checkpointing and eager attention (they would win over the planner's choices)
+    gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
+    assert labels.index("gptoss_plain") < labels.index("gptoss_fast") and len(gpt) == 5
+    assert "--speed off" in gpt[0] and "--gradient-checkpointing --attn eager" in gpt[0]
+    assert all("--speed auto" in g and "--attn" not in g and "--gradient-checkpointing" not in g
+               for g in gpt[1:4])
+    assert "--attn flex_attention" in gpt[4]
+    assert "-x compile=false" in gpt[2] and "--batch-size 2 --grad-accum 1" in gpt[3]
 
 
 @pytest.mark.unit
@@ -40,7 +49,8 @@ def test_ratios_and_loss_checks():
             run("lora_ddp_fast", "fast", 61_200, 8.00), run("lora_ddp_plain", "plain", 30_000, 8.10),
             run("zero3_fast", "fast", 40_000, 7.70), run("zero3_plain", "plain", 16_000, 7.00),
             run("zero3_plain_accelerate", "accelerate", 20_000),
-            run("anchor_full_1", "anchor_full", 50_000)]
+            run("anchor_full_1", "anchor_full", 50_000),
+            run("gptoss_plain", "plain", 3_312, 10.0), run("gptoss_fast", "fast", 6_624, 10.1)]
     r = llm_speed.ratios(runs)
     assert r["anchor_lora_tokens_per_second"] == 51_000
     assert r["lora_ddp_fast_vs_anchor_lora"] == 1.2
@@ -52,6 +62,8 @@ def test_ratios_and_loss_checks():
     md = llm_speed.markdown({"when": "t", "machine": "m", "command": "c", "runs": runs,
                              "ratios": r, "loss_checks": checks})
     assert "| 61200 | 1.2 |" in md
+    assert r["gptoss_fast_vs_plain"] == 2.0 and r["gptoss_fast_mb2_vs_plain"] is None
+    assert checks["gptoss_fast"]["ok"] is True and "| 6624 | 2.0 |" in md   # vs the seed's
     assert "recompile limit" not in md                   # no compiled recipe run recorded any
     runs[2]["result"]["speed"] = {"recompile_limit_hits": {"value": ["wrapped_func"]}}
     md = llm_speed.markdown({"when": "t", "machine": "m", "command": "c", "runs": runs,

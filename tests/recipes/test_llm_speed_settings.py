@@ -140,7 +140,8 @@ def test_compile_is_off_for_zero3_and_moe_unless_asked(as_if_gpu):
     assert z.trainer_args["torch_compile"] is False and z.compile_layers is False
     assert "ZeRO-3" in z.reasons["compile_layers"]
     assert "pad_to_multiple_of" not in z.trainer_args
-    moe = {**LLAMA_1B, "model_type": "gpt_oss", "num_local_experts": 32}
+    # an MoE whose experts transformers loops over (gpt-oss' grouped experts: test_gptoss_speed)
+    moe = {**LLAMA_1B, "num_local_experts": 32}
     m = speed_settings(moe, gradient_checkpointing=False, **as_if_gpu)
     assert m.trainer_args["torch_compile"] is False and m.compile_layers is False
     forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", compile=True,

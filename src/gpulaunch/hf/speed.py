@@ -20,7 +20,9 @@ What it decides (GPU / CPU):
 - ``compile_layers`` (not a trainer field; ``gpulaunch.hf.compile_layers(trainer.model)`` after
   the trainer is built): ``torch.compile`` of each decoder layer's forward, one graph for all of
   them, on a GPU except under ZeRO-3 (DeepSpeed hooks every submodule, inside the layer) and
-  for MoE models (transformers loops over experts); FSDP2's and DDP's hooks sit around the
+  for MoE models whose experts transformers runs as a Python loop over the routed experts
+  (``nonzero``: a graph break and a graph per routing); MoE experts run as grouped GEMMs
+  (``experts_implementation="grouped_mm"``) trace into one graph; FSDP2's and DDP's hooks sit around the
   layer and stay eager. ``trainer_args["torch_compile"]`` stays False: compiling the whole
   model also traces TRL's chunked LM head, whose scored-position count changes every batch on
   a GPU (``gpulaunch.hf.regional_compile`` says what that cost). ``compile=True`` forces the
@@ -39,7 +41,13 @@ What it decides (GPU / CPU):
   code object shared by the causal LM, the base model, every decoder layer and attention)
   filled Dynamo's cache for that code object (``recompile_limit``, 8) within a few steps.
 - ``attn_implementation`` (``model_kwargs``): FlashAttention-2 when ``flash_attn`` is installed;
-  else left to transformers, whose default is PyTorch SDPA where the model has it.
+  else left to transformers, whose default is PyTorch SDPA where the model has it. Models with
+  attention sinks (gpt-oss), which transformers runs eagerly (no SDPA path; FlashAttention-2 has
+  no sinks): ``gpulaunch.hf.sink_attention`` (SDPA with the sink as one more key, exact),
+  registered with transformers by this call, on CPU too.
+- ``experts_implementation`` (``model_kwargs``, MoE): ``"grouped_mm"``, one grouped GEMM per
+  projection for all experts (transformers' own default for the MoE classes that support it;
+  named so that it holds), where the model class supports it.
 - ``padding_free``: only with FlashAttention (variable-length rows in one flattened batch); with
   SDPA a padding-free batch needs a block-diagonal mask, which leaves SDPA's flash kernel.
   Packing (``packed=True``) is TRL's best-fit-decreasing packing, padding-free by itself.
@@ -91,6 +99,33 @@ def _liger_supports(model_type: str | None) -> bool:
     return model_type in MODEL_TYPE_TO_APPLY_LIGER_FN
 
 
+# model types whose attention adds learned per-head sinks to the softmax (no SDPA/FA2 path)
+SINK_MODEL_TYPES = frozenset({"gpt_oss"})
+
+
+def grouped_experts(model_type: str | None) -> bool:
+    """Whether the installed transformers runs this MoE model type's experts through its experts
+    interface (``@use_experts_implementation``: ``grouped_mm``, its default, is one grouped GEMM
+    for all experts; no data-dependent loop)."""
+    if not model_type:
+        return False
+    try:
+        import importlib
+
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+        from transformers.models.auto.configuration_auto import model_type_to_module_name
+        from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        name = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type)
+        module = importlib.import_module(
+            f"transformers.models.{model_type_to_module_name(model_type)}."
+            f"modeling_{model_type_to_module_name(model_type)}")
+        cls = getattr(module, name) if name else None
+        return bool(cls is not None and "grouped_mm" in ALL_EXPERTS_FUNCTIONS
+                    and cls._can_set_experts_implementation())
+    except Exception:  # noqa: BLE001 - transformers 4.x, an unknown model type: not grouped
+        return False
+
+
 def _config_dict(model_config) -> dict | None:
     if model_config is None:
         return None
@@ -124,10 +159,13 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
                    micro_batch_size: int = 1, lora_rank: int | None = None, world_size: int = 1,
                    packed: bool = False, gpu_memory_bytes: int | None = None,
                    compile: bool | None = None, liger: bool | None = None,
-                   gradient_checkpointing: bool | None = None) -> SpeedSettings:
+                   gradient_checkpointing: bool | None = None,
+                   adapted_experts: bool = False) -> SpeedSettings:
     """The fast settings for ``model_config`` (an HF config or its dict) trained with
     ``technique`` (ddp, fsdp2, zero3) on ``device`` (default: cuda when available).
-    ``compile``/``liger``/``gradient_checkpointing``: force a choice instead of deciding it."""
+    ``compile``/``liger``/``gradient_checkpointing``: force a choice instead of deciding it.
+    ``adapted_experts``: LoRA also adapts the MoE expert parameters (peft ``target_parameters``),
+    whose parametrized weights break a compiled layer's graph (the layers then stay eager)."""
     import torch
     if technique not in TECHNIQUES:
         raise ValueError(f"speed_settings(technique={technique!r}): use one of {', '.join(TECHNIQUES)}")
@@ -146,15 +184,27 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
     args["optim"] = "adamw_torch_fused" if gpu else "adamw_torch"
     why["optim"] = "one fused kernel for the AdamW step" if gpu else "CPU: the plain AdamW"
 
+    model_type = (cfg or {}).get("model_type")
     moe = bool((cfg or {}).get("num_local_experts") or (cfg or {}).get("num_experts"))
+    grouped = moe and grouped_experts(model_type)
+    if grouped:
+        model_kwargs["experts_implementation"] = "grouped_mm"
+        why["experts_implementation"] = ("MoE: one grouped GEMM per projection for all experts, "
+                                         "no Python loop over the routed experts (transformers' "
+                                         "default for this model class)")
     if compile not in (None, True, False, "model", "layers"):
         raise ValueError(f"speed_settings(compile={compile!r}): use True (the decoder layers), "
                          "'model' (the trainer's whole-model torch_compile), False, or None")
     if compile is None:
-        compile = gpu and technique != "zero3" and not moe
+        compile = gpu and technique != "zero3" and (not moe or (grouped and not adapted_experts))
         why["compile_layers"] = (
             "ZeRO-3 hooks every submodule, inside the layers" if gpu and technique == "zero3" else
-            "MoE: transformers loops over experts (a graph per routing)" if gpu and moe else
+            "MoE: transformers loops over experts (a graph per routing)" if gpu and moe
+            and not grouped else
+            "MoE with LoRA on the experts: peft's parametrized expert weights break the graph "
+            "(set_/delattr in every step)" if gpu and moe and adapted_experts else
+            "GPU, MoE with grouped_mm experts: no data-dependent loop, one compiled graph serves "
+            "every decoder layer; hooks stay outside" if gpu and moe else
             "GPU: one compiled graph serves every decoder layer; hooks stay outside" if gpu else
             "CPU: compile time outweighs the gain")
     else:
@@ -168,7 +218,6 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
                             if layers else "not compiling (compile_layers says why)")
     compile = bool(compile)
 
-    model_type = (cfg or {}).get("model_type")
     if liger is None:
         liger = gpu and not compile and _liger_supports(model_type)
         why["use_liger_kernel"] = (
@@ -182,8 +231,15 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
         why["use_liger_kernel"] = "asked for"
     args["use_liger_kernel"] = bool(liger)
 
-    flash = gpu and _installed("flash_attn")
-    if flash:
+    sinks = model_type in SINK_MODEL_TYPES
+    flash = gpu and _installed("flash_attn") and not sinks
+    if sinks:
+        from .sink_attention import register
+        model_kwargs["attn_implementation"] = register()
+        why["attn_implementation"] = (
+            "attention sinks: SDPA with the sink as one more key (exact; transformers has no SDPA "
+            "for it and would run eager attention, the heads x T x T scores in memory)")
+    elif flash:
         model_kwargs["attn_implementation"] = "flash_attention_2"
         why["attn_implementation"] = "flash_attn installed"
     # else transformers' default: SDPA where the model has it (its flash kernel for causal rows)
