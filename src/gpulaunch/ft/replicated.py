@@ -304,12 +304,19 @@ def replicated(model, optimizer, *, shard: bool = False, min_replicas: int | Non
     except ImportError as e:
         raise ConfigurationError(f"gpulaunch.ft needs torchft ({e}): pip install "
                                  "'gpulaunch[ft]'") from e
-    from .sharded import check_layout, load_local_state, local_state, shard_in_group
+    from .sharded import (
+        check_layout,
+        load_local_state,
+        local_state,
+        shard_in_group,
+        sharded_params,
+    )
 
     rt.init()                                    # the group's own store and process group
     check_layout(dist.get_world_size(), shard)
     if shard:
         model, optimizer = shard_in_group(model, optimizer)
+        params = sharded_params(model)
     device = next(model.parameters()).device
     pg_timeout = timedelta(seconds=timeout)
     pg = ProcessGroupNCCL(timeout=pg_timeout) if device.type == "cuda" \
@@ -318,14 +325,14 @@ def replicated(model, optimizer, *, shard: bool = False, min_replicas: int | Non
 
     def state_dict():
         # a sharded rank sends its own shards: the healing group's same rank takes them
-        out = local_state(model, optimizer) if shard else \
+        out = local_state(model, params, optimizer) if shard else \
             {"model": model.state_dict(), "optim": optimizer.state_dict()}
         out.update({name: obj.state_dict() for name, obj in extra.items()})
         return out
 
     def load_state_dict(sd):
         if shard:
-            load_local_state(model, optimizer, sd)
+            load_local_state(model, params, optimizer, sd)
         else:
             model.load_state_dict(sd["model"])
             optimizer.load_state_dict(sd["optim"])

@@ -90,21 +90,29 @@ def _local(value):
     return value
 
 
-def local_state(model, optimizer) -> dict:
-    """What this rank sends to the same rank of a healing group: its shards only."""
-    return {"model": {n: _local(p) for n, p in model.named_parameters()},
+def sharded_params(model) -> dict:
+    """The model's sharded parameters, by name. Taken once, right after ``fully_shard``: torchft
+    reads the state to send from its quorum thread, which can run while the main thread is in
+    a forward, and there FSDP2 has swapped the unsharded tensors into the module (a
+    ``named_parameters()`` then gives full tensors, not this rank's shards)."""
+    return dict(model.named_parameters())
+
+
+def local_state(model, params: dict, optimizer) -> dict:
+    """What this rank sends to the same rank of a healing group: its shards only (copies: the
+    transport serves them later, after this rank may have stepped)."""
+    return {"model": {n: _local(p) for n, p in params.items()},
             "buffers": {n: b.detach().clone() for n, b in model.named_buffers()},
             "optim": _local(optimizer.state_dict())}
 
 
-def load_local_state(model, optimizer, sd: dict) -> None:
+def load_local_state(model, params: dict, optimizer, sd: dict) -> None:
     """Inverse of :func:`local_state` on the receiving rank: the shards are copied into the
     parameters' local tensors, and the optimizer's per-parameter state is put back under
     each parameter's DTensor layout (it arrives as plain tensors)."""
     import torch
     from torch.distributed.tensor import DTensor
 
-    params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     with torch.no_grad():
         for name, t in sd["model"].items():
