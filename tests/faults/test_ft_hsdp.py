@@ -93,26 +93,29 @@ def _rank_pid(ft_dir, replica: int, attempt: int, rank: int) -> int:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0], ids=["rank1", "rank0-the-lighthouse-client"])
 def test_one_rank_sigkilled_replaces_its_whole_group_which_heals_shard_by_shard(
-        tmp_path, gpulaunch_home):
+        tmp_path, gpulaunch_home, victim):
+    """Any rank of a group: rank 1, or rank 0 (the one whose torchft ManagerServer talks to the
+    lighthouse and gathers the group's quorum and commit votes)."""
     killed = {}
     lighthouse_pids = []
     ft_dir = tmp_path / "ft"
 
-    def kill_rank_1_of_group_1(groups):
+    def kill_one_rank_of_group_1(groups):
         lighthouse_pids[:] = [groups.lighthouse.pid]
         if killed:
             return
         mine = read_steps(groups.ft_dir, 1)
         if mine and mine[-1]["step"] >= 12:
             group = ft.group_pids(groups.ft_dir, 1, 0)
-            pid = _rank_pid(ft_dir, 1, 0, 1)
+            pid = _rank_pid(ft_dir, 1, 0, victim)
             os.kill(pid, signal.SIGKILL)        # one rank of the group, mid-step
             killed.update(step=mine[-1]["step"], t=time.time(), group=group)
 
     result = ft.run_replicas(_train_hsdp, STEPS, 0.05, replicas=GROUPS, ranks_per_group=RANKS,
                              max_group_restarts=2, ft_dir=str(ft_dir),
-                             on_poll=kill_rank_1_of_group_1)
+                             on_poll=kill_one_rank_of_group_1)
 
     assert killed, "the run ended before replica 1 reached step 12"
     assert len(killed["group"]) == RANKS
