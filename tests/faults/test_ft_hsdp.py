@@ -206,13 +206,72 @@ def test_hsdp_computes_what_one_process_computes(tmp_path, gpulaunch_home, use_p
                    - _failure_free_loss(steps, GROUPS * RANKS)) <= 0.02
 
 
+def _train_hsdp_accumulating(steps: int):
+    import torch
+
+    from gpulaunch.parallel import prepare
+    model = _model()
+    p = prepare(model, lambda ps: torch.optim.SGD(ps, lr=0.1), strategy="fsdp",
+                gradient_accumulation_steps=2, max_grad_norm=0.05,
+                lr_scheduler=lambda o: torch.optim.lr_scheduler.StepLR(o, 5, 0.5),
+                fault_tolerant=True)
+    while p.committed_step < steps:
+        for micro in range(2):
+            with p.accumulate():            # FSDP2: no reduce-scatter, no cross-group all-reduce
+                x, y = _batch(p.committed_step, 2 * p.data_rank + micro)
+                p.backward(torch.nn.functional.mse_loss(p.model(x), y))
+            p.step()
+            p.zero_grad()
+    out = p.summary()
+    out["lr"] = p.optimizer.param_groups[0]["lr"]
+    out["weights"] = _full_weights(p.unwrap())
+    out["eval_loss"] = _eval_loss(p.unwrap())
+    p.shutdown()
+    return out
+
+
+@pytest.mark.slow
+def test_hsdp_accumulation_clipping_and_scheduler(tmp_path, gpulaunch_home):
+    steps = 20
+    result = ft.run_replicas(_train_hsdp_accumulating, steps, replicas=GROUPS,
+                             ranks_per_group=RANKS, ft_dir=str(tmp_path / "ft"))
+    assert not result.failures
+    w = result.results[0][0]["weights"]
+    for replica in range(GROUPS):
+        for r in result.results[replica]:
+            assert r["step"] == steps and r["committed_steps"] == steps
+            assert r["lr"] == pytest.approx(0.1 * 0.5 ** 4)
+            assert torch.equal(r["weights"], w)
+
+    def reference(clip):
+        """One process: 8 micro-batches per step (2 ranks x 2 groups x 2), clipped, scheduled."""
+        model = _model()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(opt, 5, 0.5)
+        for step in range(steps):
+            _grads(model, range(2 * GROUPS * RANKS), step)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+            opt.step()
+            sched.step()
+        return _eval_loss(model)
+
+    # (torchft's first step differs from the one-process one a little, as above; clipping at
+    # 0.05 moves the loss by far more than that)
+    loss = result.results[0][0]["eval_loss"]
+    assert abs(loss - reference(0.05)) <= 0.02, (loss, reference(0.05))
+    assert abs(loss - reference(None)) > 0.1
+
+
 # ------------------------------------------------------------------ pure parts, no processes
+@pytest.mark.unit
 @pytest.mark.parametrize("bad", [0, -1, True, 1.5, "2"])
 def test_ranks_per_group_must_be_a_positive_int(bad):
     with pytest.raises(ConfigurationError, match="ranks_per_group must be an int >= 1"):
         ft.run_replicas(_train_hsdp, 1, 0.0, replicas=2, ranks_per_group=bad)
 
 
+@pytest.mark.unit
 def test_gpus_per_replica_is_the_older_name_of_ranks_per_group():
     base = dict(replicas=2, max_group_restarts=1, spares=1, launch_options={})
     assert check_options(ranks_per_group=1, gpus_per_replica=1, **base) == 1
@@ -225,6 +284,7 @@ def test_gpus_per_replica_is_the_older_name_of_ranks_per_group():
                                                                {"gpus": 2}})
 
 
+@pytest.mark.unit
 def test_a_group_of_several_ranks_must_shard():
     check_layout(1, False)
     check_layout(1, True)                  # one rank: FSDP2 over one rank, allowed
@@ -233,6 +293,7 @@ def test_a_group_of_several_ranks_must_shard():
         check_layout(2, False)
 
 
+@pytest.mark.unit
 def test_a_built_optimizer_is_rebound_to_the_sharded_parameters():
     before = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
     after = [torch.nn.Parameter(torch.zeros(1)), torch.nn.Parameter(torch.zeros(2))]
