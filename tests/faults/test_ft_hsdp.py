@@ -311,3 +311,12 @@ def test_a_built_optimizer_is_rebound_to_the_sharded_parameters():
     foreign = torch.optim.Adam([torch.nn.Parameter(torch.ones(1))])
     with pytest.raises(ConfigurationError, match="not the model's"):
         rebind_optimizer(foreign, before, after)
+
+
+@pytest.mark.unit
+def test_prepare_auto_shards_only_in_a_group_of_several_ranks(monkeypatch):
+    from gpulaunch.parallel.fault_tolerant import _shards
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    assert not _shards("auto") and _shards("fsdp") and not _shards("ddp")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert _shards("auto") and _shards("fsdp") and not _shards("ddp")

@@ -17,6 +17,7 @@ import os
 
 import torch
 
+from . import _env
 from ._env import ParallelError
 from ._optim import build_optimizer
 from .ddp import autocast_forward
@@ -32,7 +33,7 @@ _SUPPORTED = ("fault_tolerant=True supports strategy='auto', 'none' or 'ddp' (on
 
 def _shards(name: str) -> bool:
     """HSDP for 'fsdp', and for 'auto' in a group of several ranks (one has nothing to shard)."""
-    return name == "fsdp" or (name == "auto" and int(os.environ.get("WORLD_SIZE", "1")) > 1)
+    return name == "fsdp" or (name == "auto" and _env.world_size() > 1)
 
 
 def check_fault_tolerant(s, name: str) -> None:
