@@ -314,6 +314,7 @@ def replicated(model, optimizer, *, shard: bool = False, min_replicas: int | Non
 
     rt.init()                                    # the group's own store and process group
     check_layout(dist.get_world_size(), shard)
+    params = None                                # the sharded parameters, by name (HSDP)
     if shard:
         model, optimizer = shard_in_group(model, optimizer)
         params = sharded_params(model)
