@@ -139,7 +139,8 @@ class LaunchOptions:
 
     replicas: Any = setting(
         None, "fault-tolerant replica groups (gpulaunch[ft], on torchft): N groups, (min, max) "
-        "for an elastic size, or gpulaunch.ft.Replicas(...). A failed group is replaced alone "
+        "for an elastic size, or gpulaunch.ft.Replicas(...); gpus= is then the ranks of each "
+        "group (default 1; more: FSDP2 inside each group, HSDP). A failed group is replaced alone "
         "while the others keep stepping, and heals from a live peer; .distributed() then "
         "returns a gpulaunch.ft.ReplicasResult (docs/fault-tolerance.md).",
         check=checks.replicas)

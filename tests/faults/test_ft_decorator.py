@@ -13,7 +13,7 @@ import pytest
 
 from gpulaunch import distributed, ft
 from gpulaunch.errors import ConfigurationError
-from gpulaunch.ft.run import launch_settings
+from gpulaunch.ft.run import group_settings, launch_settings
 
 STEPS = 40
 
@@ -39,7 +39,7 @@ def test_bad_replicas_are_refused_at_decoration_with_the_fix(value, words):
 
 @pytest.mark.parametrize("setting, words", [
     ({"keep_alive": True}, "drop keep_alive"), ({"max_restarts": 2}, "max_group_restarts"),
-    ({"remote": True}, "on this host"), ({"gpus": 2}, "one rank")])
+    ({"remote": True}, "on this host")])
 def test_settings_that_do_not_go_with_replicas_are_refused(setting, words):
     with pytest.raises(ConfigurationError, match=words):
         distributed(replicas=2, **setting)(lambda: 0)
@@ -65,6 +65,12 @@ def test_submit_is_refused_and_each_group_gets_the_changed_settings_only():
         f.submit()
     assert launch_settings(f.options) == {"timeout": 120.0, "stream_logs": "rank0",
                                           "extra_env": {"A": "1"}}
+    assert group_settings(f.options) == {"replicas": 2, "max_group_restarts": 3,
+                                         "ranks_per_group": 1, "timeout": 120.0,
+                                         "stream_logs": "rank0", "extra_env": {"A": "1"}}
+    hsdp = distributed(replicas=(1, 3), gpus=2)(lambda: 0)       # 3 groups of 2 ranks
+    assert group_settings(hsdp.options) == {"replicas": (1, 3), "max_group_restarts": 3,
+                                            "ranks_per_group": 2}
 
 
 # ----------------------------------------------------------------------- real: a kill mid-run

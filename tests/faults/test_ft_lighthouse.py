@@ -86,7 +86,9 @@ def test_a_lighthouse_address_must_be_a_url():
 @pytest.mark.parametrize("kwargs, match", [
     ({"replicas": 0}, "replicas must be an int >= 1"),
     ({"max_group_restarts": -1}, "max_group_restarts must be an int >= 0"),
-    ({"gpus_per_replica": 2}, "one rank each"),
+    ({"gpus_per_replica": 0}, "gpus_per_replica must be an int >= 1"),
+    ({"ranks_per_group": 0}, "ranks_per_group must be an int >= 1"),
+    ({"ranks_per_group": 2, "gpus_per_replica": 4}, "give one of them"),
     ({"env": {"A": "1"}}, "pass extra_env="),
     ({"max_restarts": 2}, "restarts itself"),
     ({"gpus": 2}, "not supported here"),

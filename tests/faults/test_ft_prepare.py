@@ -167,7 +167,7 @@ def test_outside_run_replicas_it_names_the_fix(no_lighthouse):
 
 
 @pytest.mark.parametrize("kwargs, match", [
-    ({"strategy": "fsdp"}, "cannot run strategy='fsdp'"),
+    ({"strategy": "fsdp", "mixed_precision": "bf16"}, "strategy='fsdp' \\(HSDP\\) takes mixed_precision=None"),
     ({"strategy": "zero2"}, "cannot run strategy='zero2'"),
     ({"mesh": Mesh(shard=2)}, "takes no mesh="),
     ({"mesh": Mesh(tensor=2)}, "takes no mesh="),

@@ -118,8 +118,3 @@ def conflicts(options) -> None:
         value = getattr(options, name)
         if value not in (None, False, 0):
             raise ConfigurationError(f"replicas= with {name}={value!r}: {why}.")
-    if options.gpus not in (None, 1):
-        raise ConfigurationError(
-            f"replicas= with gpus={options.gpus}: each replica group is one rank (one GPU, or "
-            "one CPU worker); groups of several ranks sharded inside are not offered here yet. "
-            "Use replicas=N for N groups of one rank.")

@@ -20,6 +20,11 @@ quorum; gpulaunch starts and supervises it.
     result = ft.run_replicas(train, 200, replicas=3)
     print(result.summary())        # which groups failed, when, how many steps each missed
 
+HSDP: ``run_replicas(..., ranks_per_group=K)`` makes each group K ranks, and
+``ft.replicated(model, opt, shard=True)`` shards the model with FSDP2 inside the group while
+torchft replicates each shard across groups (``sharded.py``); a rank that dies takes its whole
+group down, which is replaced as one and heals shard by shard.
+
 An elastic run (``replicas=(1, 2)``, ``node_lost_timeout=``, ``capacity=ft.Capacity(2)``) goes
 on with fewer groups when a lost one is not replaced in time, and grows back when capacity
 returns (``r.shards()`` keeps the global batch); ``result.size_changes`` lists each change.

@@ -30,7 +30,6 @@ from pathlib import Path
 from typing import Any
 
 from ..common.procutil import pid_alive
-from ..errors import ConfigurationError
 from .elastic import (
     CapacityLike,
     ReplicasBelowMinError,
@@ -40,6 +39,7 @@ from .elastic import (
 )
 from .elastic_sizing import ElasticSizing
 from .lighthouse import Lighthouse, LighthouseError
+from .options import check_options
 from .replica_entry import ENV_SPARE, replica_entry
 from .replicated import (
     ENV_ATTEMPT,
@@ -59,7 +59,8 @@ class ReplicaGroups(ElasticSizing):
     (``start()``, then ``poll()`` until it returns True, then ``finish()``)."""
 
     def __init__(self, fn, args=(), kwargs=None, *, replicas: int | tuple[int, int] = 2,
-                 gpus_per_replica: int = 1, max_group_restarts: int = 3,
+                 ranks_per_group: int = 1, gpus_per_replica: int = 1,
+                 max_group_restarts: int = 3,
                  lighthouse: str | Lighthouse | None = None, max_lighthouse_restarts: int = 3,
                  heartbeat_timeout_ms: int = 1000, ft_dir: str | None = None,
                  spares: int = 1, node_lost_timeout: float | None = None,
@@ -68,22 +69,11 @@ class ReplicaGroups(ElasticSizing):
                                       capacity=capacity, spares=spares)
         if self.elastic is not None:
             replicas = self.elastic.max
-        if isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 1:
-            raise ConfigurationError(f"replicas must be an int >= 1 or a pair (min, max), got "
-                                     f"{replicas!r}")
-        if not isinstance(max_group_restarts, int) or max_group_restarts < 0:
-            raise ConfigurationError(f"max_group_restarts must be an int >= 0, "
-                                     f"got {max_group_restarts!r}")
-        if gpus_per_replica != 1:
-            raise ConfigurationError("gpus_per_replica: replica groups are one rank each for "
-                                     "now (torchft DDP); use replicas=N for N ranks.")
-        for reserved in ("env", "max_restarts", "remote", "cluster", "keep_alive", "gpus",
-                         "num_accelerators"):
-            if reserved in launch_options:
-                raise ConfigurationError(f"run_replicas(..., {reserved}=...): not supported "
-                                         "here (each replica group is a local launch that "
-                                         "gpulaunch restarts itself)" if reserved != "env"
-                                         else "run_replicas(..., env=...): pass extra_env=")
+        # one launch of ranks_per_group ranks per group (HSDP when > 1: sharded.py)
+        self.ranks_per_group = check_options(
+            replicas=replicas, max_group_restarts=max_group_restarts, spares=spares,
+            ranks_per_group=ranks_per_group, gpus_per_replica=gpus_per_replica,
+            launch_options=launch_options)
         self.extra_env = dict(launch_options.pop("extra_env", None) or {})
         # One compute thread per process, as torchrun gives each of several ranks: N groups
         # and a spare each taking every core would crowd each other out (3.6x slower steps
@@ -95,8 +85,6 @@ class ReplicaGroups(ElasticSizing):
         self.replicas = replicas
         self.max_group_restarts = max_group_restarts
         self.max_lighthouse_restarts = max_lighthouse_restarts
-        if not isinstance(spares, int) or spares < 0:
-            raise ConfigurationError(f"spares must be an int >= 0, got {spares!r}")
         self.spares = spares if max_group_restarts > 0 else 0
         self._spares: list[tuple[Path, Any]] = []      # (assignment file, handle), waiting
         self._spare_count = 0
@@ -187,7 +175,8 @@ class ReplicaGroups(ElasticSizing):
                ENV_LIGHTHOUSE: self.lighthouse.address,
                ENV_MIN: str(self.elastic.min if self.elastic else 1),
                "NUM_REPLICA_GROUPS": str(self.replicas), **env}
-        run = pipeline.launch(build(gpus=1, env=env, **self.launch_options), Entry("function"),
+        run = pipeline.launch(build(gpus=self.ranks_per_group, env=env, **self.launch_options),
+                              Entry("function"),
                               label=getattr(self.fn, "__name__", "replica"),   # the user's name
                               call=(replica_entry, (self.fn, self.args, self.kwargs), {}, {}),
                               stream=False, standby=True)

@@ -15,9 +15,9 @@
 Every replica group trains the same model; torchft's lighthouse forms a quorum of the live
 groups at each step, and a group that joins late (a restarted one) receives the current weights
 and optimizer state from a live peer at its first step (torchft's HTTP checkpoint transport),
-not from a checkpoint on disk. Replica groups are one rank each here (torchft's DDP); the
-caller starts them with :func:`gpulaunch.ft.run_replicas`, which also sets the variables read
-below.
+not from a checkpoint on disk. A group is one rank (torchft's DDP), or several that shard
+the model with FSDP2 (``shard=True``, HSDP: ``sharded.py``); the caller starts the groups with
+:func:`gpulaunch.ft.run_replicas`, which also sets the variables read below.
 """
 
 from __future__ import annotations
@@ -185,6 +185,19 @@ class Replicated:
         return self.manager.current_step()
 
     @property
+    def data_rank(self) -> int:
+        """This rank's data shard of the run's step: ``replica_id() * ranks per group + its
+        rank in the group`` (each rank of a sharded group trains its own batch)."""
+        import torch.distributed as dist
+        return replica_id() * dist.get_world_size() + dist.get_rank()
+
+    @property
+    def data_size(self) -> int:
+        """How many data shards a step of the full run has (every rank of every group)."""
+        import torch.distributed as dist
+        return num_replicas() * dist.get_world_size()
+
+    @property
     def participants(self) -> int:
         """Replica groups taking part in this step (an elastic run's size now). Call it after
         ``optimizer.zero_grad()``, which starts the step's quorum (it waits for the quorum)."""
@@ -241,7 +254,8 @@ class Replicated:
         self.manager.shutdown(wait=False)
 
 
-def replicated(model, optimizer, *, min_replicas: int | None = None, timeout: float = 10.0,
+def replicated(model, optimizer, *, shard: bool = False, min_replicas: int | None = None,
+               timeout: float = 10.0,
                quorum_timeout: float = 60.0, quorum_retries: int = 10,
                state: dict | None = None, lighthouse: str | None = None) -> Replicated:
     """Put ``model`` and ``optimizer`` under torchft's Manager for this replica group.
@@ -249,7 +263,12 @@ def replicated(model, optimizer, *, min_replicas: int | None = None, timeout: fl
     Args:
         model: the plain ``nn.Module`` on this rank's device; every group builds the same one
             (the groups' step-0 weights are made equal by torchft before the first step).
-        optimizer: a built optimizer over ``model.parameters()``.
+        optimizer: a built optimizer over ``model.parameters()``; with ``shard=True`` also a
+            factory ``lambda params: Optimizer(params, ...)`` (a built one is rebound to the
+            sharded parameters, and must not have stepped yet).
+        shard: HSDP: shard the model with FSDP2 over the ranks of this replica group
+            (``run_replicas(ranks_per_group=K)``), replicate across groups with torchft. Needed
+            when a group has more than one rank; with one it works too (nothing to shard).
         min_replicas: fewest live replica groups a step needs to commit; default the run's
             (``run_replicas(replicas=(min, max))``: ``min``; else 1).
         timeout: seconds for one cross-group all-reduce, commit vote or state transfer; a
@@ -285,12 +304,20 @@ def replicated(model, optimizer, *, min_replicas: int | None = None, timeout: fl
     except ImportError as e:
         raise ConfigurationError(f"gpulaunch.ft needs torchft ({e}): pip install "
                                  "'gpulaunch[ft]'") from e
+    from .sharded import (
+        check_layout,
+        load_local_state,
+        local_state,
+        shard_in_group,
+        sharded_params,
+    )
+
     rt.init()                                    # the group's own store and process group
-    if dist.get_world_size() != 1:
-        raise ConfigurationError(
-            f"ft.replicated() runs one rank per replica group (this group has "
-            f"{dist.get_world_size()}): start more replicas with run_replicas(replicas=N, "
-            "gpus_per_replica=1).")
+    check_layout(dist.get_world_size(), shard)
+    params = None                                # the sharded parameters, by name (HSDP)
+    if shard:
+        model, optimizer = shard_in_group(model, optimizer)
+        params = sharded_params(model)
     device = next(model.parameters()).device
     pg_timeout = timedelta(seconds=timeout)
     pg = ProcessGroupNCCL(timeout=pg_timeout) if device.type == "cuda" \
@@ -298,13 +325,18 @@ def replicated(model, optimizer, *, min_replicas: int | None = None, timeout: fl
     extra = dict(state or {})
 
     def state_dict():
-        out = {"model": model.state_dict(), "optim": optimizer.state_dict()}
+        # a sharded rank sends its own shards: the healing group's same rank takes them
+        out = local_state(model, params, optimizer) if shard else \
+            {"model": model.state_dict(), "optim": optimizer.state_dict()}
         out.update({name: obj.state_dict() for name, obj in extra.items()})
         return out
 
     def load_state_dict(sd):
-        model.load_state_dict(sd["model"])
-        optimizer.load_state_dict(sd["optim"])
+        if shard:
+            load_local_state(model, params, optimizer, sd)
+        else:
+            model.load_state_dict(sd["model"])
+            optimizer.load_state_dict(sd["optim"])
         for name, obj in extra.items():
             obj.load_state_dict(sd[name])
 
@@ -313,12 +345,18 @@ def replicated(model, optimizer, *, min_replicas: int | None = None, timeout: fl
         pg=pg, min_replica_size=min_replicas, load_state_dict=load_state_dict,
         state_dict=state_dict, replica_id=f"gpulaunch_replica_{replica_id()}",
         lighthouse_addr=address, timeout=pg_timeout,
+        # rank 0 of the group talks to the lighthouse; every rank heals its own shards
+        rank=dist.get_rank(), world_size=dist.get_world_size(),
         quorum_timeout=timedelta(seconds=quorum_timeout), quorum_retries=quorum_retries,
         connect_timeout=timedelta(seconds=max(timeout, 10.0)),
         # advertise an address the peers can reach: loopback on one host
         **({"hostname": "127.0.0.1"} if host in ("127.0.0.1", "localhost", "::1") else {}))
     progress = _Progress(group_rank=dist.get_rank())
     progress.wait_for_first_starts(quorum_timeout)
-    ddp = _ddp_class()(manager, model)
+    if shard:
+        from .sharded import sharded_replica
+        wrapped = sharded_replica(manager, model)
+    else:
+        wrapped = _ddp_class()(manager, model)
     opt = _optimizer_class()(manager, optimizer, progress)
-    return Replicated(model=ddp, optimizer=opt, manager=manager, progress=progress)
+    return Replicated(model=wrapped, optimizer=opt, manager=manager, progress=progress)

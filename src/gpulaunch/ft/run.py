@@ -39,7 +39,9 @@ def run_replicas(fn: Callable, *args, replicas: int | tuple[int, int] = 2,
                  **options) -> ReplicasResult:
     """Run ``fn(*args)`` as ``replicas`` fault-tolerant replica groups and block until all end.
 
-    ``fn`` builds its model and calls :func:`gpulaunch.ft.replicated` (see that module). A
+    ``fn`` builds its model and calls :func:`gpulaunch.ft.replicated` (see that module). Each
+    group is a launch of ``ranks_per_group`` ranks (default 1; more: HSDP, FSDP2 inside the
+    group with ``replicated(..., shard=True)``); a rank that dies fails its whole group. A
     group that fails (crash, SIGKILL, error) is launched again, up to ``max_group_restarts``
     times, while the others keep training; it heals from a live peer. Keyword arguments that
     are not settings here are passed to ``fn`` if its signature takes them, else used as
@@ -106,9 +108,16 @@ def launch_settings(options: LaunchOptions) -> dict:
     return out
 
 
+def group_settings(options: LaunchOptions) -> dict:
+    """Every setting ``run_groups`` takes from a decorator with ``replicas=``: the run's own
+    (the ``Replicas`` record), each group's size (``gpus``: its ranks, default 1; more than one
+    is HSDP, see ``sharded.py``) and each group's launch settings."""
+    return {**options.replicas.run_kwargs(), "ranks_per_group": options.gpus or 1,
+            **launch_settings(options)}
+
+
 def run_decorated(function, args: tuple, kwargs: dict) -> ReplicasResult:
     """Run a ``DistributedFunction`` that has ``replicas=`` set; block until every group ends."""
     call_args, call_kwargs, _ = function._bind(args, kwargs)
     return run_groups(function.func, tuple(call_args), dict(call_kwargs),
-                      **function.options.replicas.run_kwargs(),
-                      **launch_settings(function.options))
+                      **group_settings(function.options))

@@ -2,10 +2,12 @@
 :func:`gpulaunch.ft.replicated` (torchft's Manager), for a function started by
 :func:`gpulaunch.ft.run_replicas`.
 
-Each replica group is one rank; torchft averages gradients across the live groups at each step,
-and a restarted group heals from a live peer. It is an option rather than a strategy because it
-replaces the process group the strategies use: inside one group there is nothing to shard or
-replicate, across groups torchft's DDP does the replication.
+torchft averages gradients across the live groups at each step, and a restarted group heals from
+a live peer. A group of one rank runs torchft's DDP (strategy 'auto', 'none' or 'ddp'); a group of
+several ranks (``run_replicas(ranks_per_group=K)``) runs HSDP: ``strategy='fsdp'`` (or 'auto')
+shards the model with FSDP2 over the group's ranks and torchft replicates the shards across groups
+(:mod:`gpulaunch.ft.sharded`). It is an option rather than a strategy because torchft's process
+group replaces the one the strategies replicate over.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 
 import torch
 
+from . import _env
 from ._env import ParallelError
 from ._optim import build_optimizer
 from .ddp import autocast_forward
@@ -23,15 +26,25 @@ from .prepared import TorchPrepared
 __all__ = ["FaultTolerantPrepared", "check_fault_tolerant", "prepare_fault_tolerant"]
 
 _SUPPORTED = ("fault_tolerant=True supports strategy='auto', 'none' or 'ddp' (one rank per replica group, "
-              "torchft replicating across groups), mixed_precision=None or 'bf16', gradient_accumulation_steps, "
-              "max_grad_norm and lr_scheduler")
+              "torchft replicating across groups) or 'fsdp' (HSDP: FSDP2 inside a group of "
+              "run_replicas(ranks_per_group=K) ranks, torchft across groups), mixed_precision=None or 'bf16' "
+              "(None with 'fsdp'), gradient_accumulation_steps, max_grad_norm and lr_scheduler")
+
+
+def _shards(name: str) -> bool:
+    """HSDP for 'fsdp', and for 'auto' in a group of several ranks (one has nothing to shard)."""
+    return name == "fsdp" or (name == "auto" and _env.world_size() > 1)
 
 
 def check_fault_tolerant(s, name: str) -> None:
     """Refuse what cannot work under torchft, before anything is built."""
-    if name not in ("auto", "none", "ddp"):
-        raise ParallelError(f"fault_tolerant=True cannot run strategy={name!r}: torchft replicates whole "
-                            f"models across replica groups of one rank each. {_SUPPORTED}.")
+    if name not in ("auto", "none", "ddp", "fsdp"):
+        raise ParallelError(f"fault_tolerant=True cannot run strategy={name!r}: torchft replicates the model "
+                            f"(or its FSDP2 shards) across replica groups. {_SUPPORTED}.")
+    if _shards(name) and s.mixed_precision is not None:
+        raise ParallelError(f"fault_tolerant=True with strategy={name!r} (HSDP) takes mixed_precision=None for "
+                            f"now: FSDP2's MixedPrecisionPolicy is not wired to torchft's gradient all-reduce. "
+                            f"{_SUPPORTED}.")
     if s.mesh is not None and any(n > 1 for n in (s.mesh.replicate, s.mesh.shard, s.mesh.context, s.mesh.tensor)):
         raise ParallelError(f"fault_tolerant=True takes no mesh= (got {s.mesh}): sharded, tensor- or "
                             f"context-parallel layouts need one process group that torchft replaces. {_SUPPORTED}.")
@@ -113,13 +126,11 @@ class FaultTolerantPrepared(TorchPrepared):
 
     @property
     def data_rank(self) -> int:
-        from ..ft import replica_id
-        return replica_id()
+        return self.replicated.data_rank      # the replica group (times its ranks, plus the rank)
 
     @property
     def data_size(self) -> int:
-        from ..ft import num_replicas
-        return num_replicas()
+        return self.replicated.data_size
 
     def summary(self) -> dict:
         return self.replicated.summary()
@@ -132,14 +143,42 @@ def prepare_fault_tolerant(model, optimizer, s, **ft_kwargs) -> FaultTolerantPre
     from ..ft import replicated
 
     model.to(s.device)
-    opt = build_optimizer(optimizer, model.parameters())
-    if opt is None:
+    if optimizer is None:
         raise ParallelError("prepare(..., fault_tolerant=True) needs optimizer=: torchft commits optimizer steps")
+    shard = _shards(s.strategy)
     if s.dtype is not None:
         model.forward = autocast_forward(model.forward, s.device.type, s.dtype)
-    sched = s.lr_scheduler(opt) if s.lr_scheduler is not None else None
+    # HSDP: the optimizer is built (or rebound) on the sharded parameters, by ft.replicated; the
+    # scheduler then on that optimizer, so it can only be made afterwards
+    if shard:
+        opt = optimizer if isinstance(optimizer, torch.optim.Optimizer) else \
+            (lambda ps: build_optimizer(optimizer, ps))
+    else:
+        opt = build_optimizer(optimizer, model.parameters())
     state = dict(ft_kwargs.pop("state", None) or {})
+    sched = _LateScheduler(s.lr_scheduler) if s.lr_scheduler is not None else None
     if sched is not None:
         state.setdefault("lr_scheduler", sched)
-    r = replicated(model, opt, state=state, **ft_kwargs)
+    r = replicated(model, opt, state=state, shard=shard, **ft_kwargs)
+    if sched is not None:
+        sched = sched.build(r.optimizer.optim)
     return FaultTolerantPrepared(r, s, sched)
+
+
+class _LateScheduler:
+    """The lr scheduler as state for torchft, built once the optimizer is (under HSDP that is inside
+    ft.replicated): torchft only calls state_dict/load_state_dict at a step, after it is built."""
+
+    def __init__(self, factory):
+        self.factory = factory
+        self.inner = None
+
+    def build(self, optimizer):
+        self.inner = self.factory(optimizer)
+        return self.inner
+
+    def state_dict(self):
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd):
+        self.inner.load_state_dict(sd)

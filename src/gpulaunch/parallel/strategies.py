@@ -261,8 +261,9 @@ def prepare(model: nn.Module, optimizer: OptimizerArg = None, strategy: str = "a
         deepspeed_config: dict deep-merged over the generated DeepSpeed config.
         fault_tolerant: run this replica group under torchft (:func:`gpulaunch.ft.replicated`) inside a
             function started by :func:`gpulaunch.ft.run_replicas`: gradients averaged across the live
-            groups, a restarted group healing from a live peer. One rank per group; strategy 'auto',
-            'none' or 'ddp' only (see :mod:`gpulaunch.parallel.fault_tolerant`).
+            groups, a restarted group healing from a live peer. Strategy 'auto', 'none' or 'ddp' (one
+            rank per group), or 'fsdp' (HSDP: FSDP2 inside a group of ``ranks_per_group`` ranks, torchft
+            across groups); see :mod:`gpulaunch.parallel.fault_tolerant`.
     """
     if not isinstance(model, nn.Module):
         raise ParallelError(f"prepare() takes an nn.Module, got {type(model).__name__}")
