@@ -23,17 +23,21 @@ quorum; gpulaunch starts and supervises it.
 An elastic run (``replicas=(1, 2)``, ``node_lost_timeout=``, ``capacity=ft.Capacity(2)``) goes
 on with fewer groups when a lost one is not replaced in time, and grows back when capacity
 returns (``r.shards()`` keeps the global batch); ``result.size_changes`` lists each change.
+``r.loader(dataset, batch_size=...)`` re-cuts a ``gpulaunch.data.StreamingDataset`` over the
+live groups at every step, each committed row of the stream trained once across the changes.
 
 See docs/fault-tolerance.md.
 """
 
 from .elastic import Capacity, ReplicasBelowMinError, SizeChange
+from .elastic_data import ElasticLoader
 from .lighthouse import Lighthouse, LighthouseError
 from .replicas import ReplicaGroups, run_replicas
 from .replicated import Replicated, attempt, num_replicas, replica_id, replicated
 from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
 
-__all__ = ["Capacity", "Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups",
-           "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange", "attempt",
+__all__ = ["Capacity", "ElasticLoader", "Lighthouse", "LighthouseError", "ReplicaFailure",
+           "ReplicaGroups", "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange",
+           "attempt",
            "group_pids", "num_replicas", "read_steps", "replica_id", "replicated",
            "run_replicas"]

@@ -228,6 +228,18 @@ class Replicated:
         total = num_replicas() if total is None else int(total)
         return max(1, self.participants) / total
 
+    def loader(self, dataset, batch_size: int, *, shards: int | None = None,
+               name: str = "train"):
+        """This group's batches of a :class:`gpulaunch.data.StreamingDataset`, re-cut over the
+        live replica groups at every step from one position the whole run shares (it travels
+        to a healing group with the weights): each committed step trains the next ``shards x
+        batch_size`` rows of the stream once, whatever groups come and go
+        (:class:`~gpulaunch.ft.elastic_data.ElasticLoader`). Make it before the first step, in
+        every group; iterate it once per step, after ``optimizer.zero_grad()``; scale each loss
+        by its ``weight``. ``shards`` defaults to :func:`num_replicas`."""
+        from .elastic_data import ElasticLoader
+        return ElasticLoader(self, dataset, batch_size, shards=shards, name=name)
+
     def summary(self) -> dict:
         """A small record to return from the function: replica, attempt, steps, healing."""
         return {"replica": replica_id(), "attempt": attempt(), "step": self.step,
