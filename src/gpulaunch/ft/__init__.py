@@ -38,6 +38,5 @@ from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
 
 __all__ = ["Capacity", "ElasticLoader", "Lighthouse", "LighthouseError", "ReplicaFailure",
            "ReplicaGroups", "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange",
-           "attempt",
-           "group_pids", "num_replicas", "read_steps", "replica_id", "replicated",
+           "attempt", "group_pids", "num_replicas", "read_steps", "replica_id", "replicated",
            "run_replicas"]

@@ -15,7 +15,9 @@ The dataset is read as one endless stream (``gpulaunch.data.stream``: epoch 0's 
 then epoch 1's, ...). Every step trains the next ``shards x batch_size`` rows of it, the global
 batch, whatever the number of live groups: shard ``k`` is rows ``[pos + k*b, pos + (k+1)*b)``,
 and the live group of participating rank ``i`` of ``P`` trains shards ``i, i+P, ...``
-(:func:`~gpulaunch.ft.elastic.shards_for`, gradient accumulation when ``P < shards``).
+(:func:`~gpulaunch.ft.elastic.shards_for`, gradient accumulation when ``P < shards``). At the
+run's first step, where torchft syncs the groups' weights from one of them and only that one's
+gradient counts, every group trains the whole global batch (:func:`step_rows`, ``first``).
 
 The position is a function of the run's committed step: ``pos = anchor_pos + (step -
 anchor_step) x global batch``. A committed step moves it on by one global batch on every group
@@ -54,11 +56,20 @@ def shard_rows(pos: int, shard: int, batch_size: int) -> tuple[int, int]:
     return a, a + batch_size
 
 
-def step_rows(pos: int, rank: int | None, participants: int, shards: int,
-              batch_size: int) -> list[tuple[int, int]]:
+def step_rows(pos: int, rank: int | None, participants: int, shards: int, batch_size: int,
+              *, first: bool = False) -> list[tuple[int, int]]:
     """The runs of stream positions the group of participating ``rank`` (of ``participants``
     live groups; ``None``: healing, it trains rank 0's and torchft zeroes its gradient) trains
-    in the step that starts at ``pos``; ``shards`` runs of ``batch_size`` rows a step in all."""
+    in the step that starts at ``pos``; ``shards`` runs of ``batch_size`` rows a step in all.
+
+    ``first``: the run's first step (step 0). There torchft makes the groups' weights equal
+    (``init_sync``) by healing every group of the quorum from one of them, so only that one
+    group's gradient counts although all are counted as participants: every group then trains
+    the whole global batch, and the one whose gradient counts covers it (with the loss weight
+    ``participants / shards`` and torchft's average over the participants, its gradient is
+    the mean over the global batch, as on any other step)."""
+    if first:
+        rank, participants = None, 1
     return [shard_rows(pos, k, batch_size) for k in shards_for(rank, participants, shards)]
 
 
@@ -131,18 +142,23 @@ class ElasticLoader:
         self._anchor = (int(state["pos"]), int(state["step"]))
 
     def __iter__(self):
+        import contextlib
+
         r = self._r
         rank, participants = r.manager.participating_rank(), r.participants
-        pos = self.position
-        self.rows = step_rows(pos, rank, participants, self.shards, self.batch_size)
+        pos, first = self.position, r.step == 0
+        self.rows = step_rows(pos, rank, participants, self.shards, self.batch_size,
+                              first=first)
         self.participating = r.manager.is_participating()
         # the next step's rows, if the live groups stay the same: read while this one trains
-        nxt = step_rows(pos + self.rows_per_step, rank, participants, self.shards,
-                        self.batch_size)
-        for a, b in nxt:
+        for a, b in step_rows(pos + self.rows_per_step, rank, participants, self.shards,
+                              self.batch_size):
             self._reader.prefetch(a, b)
-        for i, _ in enumerate(r.accumulate(self.shards)):
-            yield self._reader.read(*self.rows[i])
+        last = len(self.rows) - 1
+        for i, (a, b) in enumerate(self.rows):
+            # one gradient all-reduce a step, after the last shard (as Replicated.accumulate)
+            with r.model.no_sync() if i < last else contextlib.nullcontext():
+                yield self._reader.read(a, b)
 
     def close(self) -> None:
         self._reader.close()
