@@ -83,20 +83,19 @@ class ElasticLoader:
     gradient all-reduce until the last (DDP's ``no_sync``). Scale each loss by ``weight``.
     """
 
-    def __init__(self, replicated, dataset, batch_size: int, *, shards: int | None = None,
+    def __init__(self, replicated, dataset, batch_size: int, *, shards: int,
                  name: str = "train"):
         from ..data.dataset import StreamingDataset
         from ..data.stream import StreamReader
-        from .replicated import num_replicas
 
         if not isinstance(dataset, StreamingDataset):
             raise ConfigurationError(f"r.loader() reads a gpulaunch.data.StreamingDataset, got "
                                      f"{type(dataset).__name__}")
         for what, n in (("batch_size", batch_size), ("shards", shards)):
-            if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 1):
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ConfigurationError(f"r.loader({what}={n!r}): an int >= 1")
         self.dataset, self.batch_size = dataset, batch_size
-        self.shards = num_replicas() if shards is None else shards
+        self.shards = shards
         self._r = replicated
         self._anchor = (0, replicated.step)
         self._reader = StreamReader(dataset)

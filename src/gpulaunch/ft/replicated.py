@@ -238,7 +238,8 @@ class Replicated:
         every group; iterate it once per step, after ``optimizer.zero_grad()``; scale each loss
         by its ``weight``. ``shards`` defaults to :func:`num_replicas`."""
         from .elastic_data import ElasticLoader
-        return ElasticLoader(self, dataset, batch_size, shards=shards, name=name)
+        return ElasticLoader(self, dataset, batch_size, name=name,
+                             shards=num_replicas() if shards is None else shards)
 
     def summary(self) -> dict:
         """A small record to return from the function: replica, attempt, steps, healing."""
