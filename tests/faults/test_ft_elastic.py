@@ -145,6 +145,7 @@ def test_shards_cover_the_global_batch_once_whatever_the_live_groups():
             assert sorted(sum(got, [])) == list(range(total)) and all(got), (total, n)
     assert shards_for(0, 1, 2) == [0, 1] and shards_for(1, 2, 2) == [1]
     assert shards_for(None, 1, 2) == [0, 1]          # healing: rank 0's, gradient zeroed
+    assert shards_for(1, 2, 2, first=True) == [0, 1]   # the run's first step: all, on all
     with pytest.raises(ConfigurationError, match="every group needs at least one"):
         shards_for(1, 2, 1)
 
@@ -196,8 +197,8 @@ def _train(steps: int, pause: float, shards: int):
             x, y = _batch(r.step, shard)
             (torch.nn.functional.mse_loss(r.model(x), y) * r.shard_weight(shards)).backward()
             mine.append(shard)
-        if r.optimizer.step():
-            seen.setdefault(r.participants, set()).update(mine)
+        if r.optimizer.step():       # the run's first step apart: every group trains all
+            seen.setdefault(r.participants if r.step > 1 else "first", set()).update(mine)
         time.sleep(pause)
     out = r.summary()
     out["weights"] = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -288,6 +289,9 @@ def test_elastic_run_loses_a_node_continues_on_one_and_grows_back_to_two(tmp_pat
     # alone, it trained on both shards of each step: the global batch was kept
     out0 = result.results[0][0]
     assert out0["seen"][1] == [0, 1] and len(out0["seen"][2]) == 1   # with 2: one shard each
+    # at the first step torchft counts one group's gradient only (it heals the other from it):
+    # both groups train both shards there, so the one that counts covers the global batch
+    assert out0["seen"]["first"] == [0, 1]
     # the returning group healed from the survivor, past the step the node was lost at
     again = [r for r in result.steps[1] if r["a"] == 1]
     assert again[0]["healed_to"] == again[0]["step"] - 1 >= shrink.step

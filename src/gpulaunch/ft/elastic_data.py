@@ -62,15 +62,10 @@ def step_rows(pos: int, rank: int | None, participants: int, shards: int, batch_
     live groups; ``None``: healing, it trains rank 0's and torchft zeroes its gradient) trains
     in the step that starts at ``pos``; ``shards`` runs of ``batch_size`` rows a step in all.
 
-    ``first``: the run's first step (step 0). There torchft makes the groups' weights equal
-    (``init_sync``) by healing every group of the quorum from one of them, so only that one
-    group's gradient counts although all are counted as participants: every group then trains
-    the whole global batch, and the one whose gradient counts covers it (with the loss weight
-    ``participants / shards`` and torchft's average over the participants, its gradient is
-    the mean over the global batch, as on any other step)."""
-    if first:
-        rank, participants = None, 1
-    return [shard_rows(pos, k, batch_size) for k in shards_for(rank, participants, shards)]
+    ``first``: the run's first step, where every group trains every shard
+    (:func:`~gpulaunch.ft.elastic.shards_for` says why)."""
+    return [shard_rows(pos, k, batch_size)
+            for k in shards_for(rank, participants, shards, first=first)]
 
 
 # ------------------------------------------------------------------------------- the loader
@@ -141,8 +136,6 @@ class ElasticLoader:
         self._anchor = (int(state["pos"]), int(state["step"]))
 
     def __iter__(self):
-        import contextlib
-
         r = self._r
         rank, participants = r.manager.participating_rank(), r.participants
         pos, first = self.position, r.step == 0
@@ -153,11 +146,10 @@ class ElasticLoader:
         for a, b in step_rows(pos + self.rows_per_step, rank, participants, self.shards,
                               self.batch_size):
             self._reader.prefetch(a, b)
-        last = len(self.rows) - 1
-        for i, (a, b) in enumerate(self.rows):
-            # one gradient all-reduce a step, after the last shard (as Replicated.accumulate)
-            with r.model.no_sync() if i < last else contextlib.nullcontext():
-                yield self._reader.read(a, b)
+        # one gradient all-reduce a step, after the last shard: Replicated.accumulate, whose
+        # shards are those of self.rows
+        for _, (a, b) in zip(r.accumulate(self.shards), self.rows):
+            yield self._reader.read(a, b)
 
     def close(self) -> None:
         self._reader.close()

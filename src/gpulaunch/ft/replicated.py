@@ -202,7 +202,7 @@ class Replicated:
         torchft zeroes its gradient."""
         from .elastic import shards_for
         return shards_for(self.manager.participating_rank(), self.participants,
-                          num_replicas() if total is None else total)
+                          num_replicas() if total is None else total, first=self.step == 0)
 
     def accumulate(self, total: int | None = None):
         """:meth:`shards`, with the gradient all-reduce held back until the last one (DDP's
