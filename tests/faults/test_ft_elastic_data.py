@@ -249,17 +249,18 @@ def _train_on_data(steps: int, path: str, log_dir: str, pause: float):
         while r.step < steps:
             r.optimizer.zero_grad()
             ids = []
-            for batch in data:
+            for i, batch in enumerate(data):
                 ids += batch["id"].tolist()
+                if i == len(data.rows) - 1:
+                    # written before the last backward, whose gradient all-reduce may put this
+                    # group's rows into the survivor's update even if it is killed right after
+                    counted = data.participating    # a healing group's rows do not count
+                    f.write(json.dumps({"step": r.step + 1, "n": r.participants,
+                                        "rows": data.rows if counted else [],
+                                        "ids": ids if counted else []}) + "\n")
+                    f.flush()
                 x = batch["x"].unsqueeze(1)
                 ((r.model(x) - 3 * x).pow(2).mean() * data.weight).backward()
-            # written before the commit vote: a group killed after its gradient all-reduce (so
-            # its rows are in the survivor's update) may die before it could write after it
-            counted = data.participating            # a healing group's rows do not count
-            f.write(json.dumps({"step": r.step + 1, "n": r.participants,
-                                "rows": data.rows if counted else [],
-                                "ids": ids if counted else []}) + "\n")
-            f.flush()
             if not r.optimizer.step():
                 f.write('"dropped"\n')              # the line above does not count
                 f.flush()
