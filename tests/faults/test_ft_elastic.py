@@ -371,3 +371,19 @@ def test_a_run_started_on_less_capacity_than_max_grows_when_it_comes(tmp_path, g
     assert out0["seen"][1] == [0, 1]
     assert torch.equal(out0["weights"], result.results[1][0]["weights"])
     _no_process_left(tmp_path / "ft", gpulaunch_home, lighthouse_pids)
+
+
+@pytest.mark.unit
+def test_a_late_group_alone_in_its_quorum_does_not_commit_until_it_has_waited(monkeypatch):
+    """A group started after the run reached step 10 whose quorum had none of the live groups
+    (it is still at step 0) drops the step and asks again; one that healed (step >= 10), a
+    first start (no heal_from) or one that waited ``wait_s`` in vain goes on to commit."""
+    from gpulaunch.ft.replicated import ENV_DIR, ENV_HEAL_FROM, _Progress
+    monkeypatch.delenv(ENV_DIR, raising=False)
+    monkeypatch.setenv(ENV_HEAL_FROM, "10")
+    p = _Progress(group_rank=0)
+    assert p.quorum_without_peers(0) and p.quorum_without_peers(3)
+    assert not p.quorum_without_peers(10)                  # healed to the run's step
+    assert not p.quorum_without_peers(0, wait_s=0.0)       # waited long enough: commit, stop
+    monkeypatch.setenv(ENV_HEAL_FROM, "-1")
+    assert not _Progress(group_rank=0).quorum_without_peers(0)   # a first start
