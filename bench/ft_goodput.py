@@ -16,7 +16,9 @@ one training process every ``--fail-every`` seconds (uniform in MIN:MAX, seeded)
 Measured: batches committed (a run step with n live replicas commits n batches), goodput
 (batches per second over the run, as a fraction of the failure-free rate measured by
 ``--baseline`` seconds of each mode without kills), and per kill the time from the SIGKILL to
-the killed process's group's next committed step. Timings are for reading, never asserted.
+the killed process's group's next committed step, and how long the run as a whole committed no
+new step around each kill beyond its usual step time (``run_stall_s``; for ckpt the steps
+rolled back are not new). Timings are for reading, never asserted.
 """
 
 from __future__ import annotations
@@ -200,6 +202,25 @@ def _per_10s(records: list[dict], start: float, end: float) -> list[int]:
     return buckets
 
 
+def _stalls(records: list[dict], kill_times: list[float], start: float, end: float) -> list:
+    """Per kill: how long the run went without committing a new step around it, beyond its
+    usual step time (the longest gap between new run steps from the kill to 10 s after it,
+    less the median gap of the window); None when nothing was committed after it."""
+    first: dict[int, float] = {}
+    for r in sorted(records, key=lambda r: r["t"]):
+        first.setdefault(r["step"], r["t"])
+    ts = sorted(t for t in first.values() if start <= t <= end)
+    gaps = [b - a for a, b in zip(ts, ts[1:])]
+    if not gaps:
+        return [None] * len(kill_times)
+    usual = statistics.median(gaps)
+    out = []
+    for k in kill_times:
+        around = [b - a for a, b in zip(ts, ts[1:]) if b >= k and a <= k + 10]
+        out.append(round(max(around) - usual, 3) if around else None)
+    return out
+
+
 def run_ft(a, duration: float, fail_every, folder: Path) -> dict:
     from gpulaunch import ft
     from gpulaunch.ft.result import read_steps
@@ -232,6 +253,8 @@ def run_ft(a, duration: float, fail_every, folder: Path) -> dict:
             "kills": len(killer.kills), "recovery_s": recoveries,
             "kill_at_s": [round(k["t"] - window.start, 1) for k in killer.kills],
             "steps_per_10s": _per_10s(merged, window.start, window.end),
+            "run_stall_s": _stalls(merged, [k["t"] for k in killer.kills], window.start,
+                                   window.end),
             "failures": [{"replica": f.replica, "attempt": f.attempt, "healed_to": f.healed_to,
                           "steps_missed": f.steps_missed} for f in res.failures]}
 
@@ -267,7 +290,9 @@ def run_ckpt(a, duration: float, fail_every, folder: Path) -> dict:
             "kills": len(killer.kills), "recovery_s": recoveries,
             "back_to_pre_kill_step_s": back,
             "kill_at_s": [round(k["t"] - window.start, 1) for k in killer.kills],
-            "steps_per_10s": _per_10s(recs, window.start, window.end)}
+            "steps_per_10s": _per_10s(recs, window.start, window.end),
+            "run_stall_s": _stalls(recs, [k["t"] for k in killer.kills], window.start,
+                                   window.end)}
 
 
 def main(argv=None) -> int:

@@ -145,6 +145,7 @@ def test_shards_cover_the_global_batch_once_whatever_the_live_groups():
             assert sorted(sum(got, [])) == list(range(total)) and all(got), (total, n)
     assert shards_for(0, 1, 2) == [0, 1] and shards_for(1, 2, 2) == [1]
     assert shards_for(None, 1, 2) == [0, 1]          # healing: rank 0's, gradient zeroed
+    assert shards_for(1, 2, 2, first=True) == [0, 1]   # the run's first step: all, on all
     with pytest.raises(ConfigurationError, match="every group needs at least one"):
         shards_for(1, 2, 1)
 
@@ -196,8 +197,8 @@ def _train(steps: int, pause: float, shards: int):
             x, y = _batch(r.step, shard)
             (torch.nn.functional.mse_loss(r.model(x), y) * r.shard_weight(shards)).backward()
             mine.append(shard)
-        if r.optimizer.step():
-            seen.setdefault(r.participants, set()).update(mine)
+        if r.optimizer.step():       # the run's first step apart: every group trains all
+            seen.setdefault(r.participants if r.step > 1 else "first", set()).update(mine)
         time.sleep(pause)
     out = r.summary()
     out["weights"] = torch.cat([p.detach().flatten() for p in model.parameters()])
@@ -288,6 +289,9 @@ def test_elastic_run_loses_a_node_continues_on_one_and_grows_back_to_two(tmp_pat
     # alone, it trained on both shards of each step: the global batch was kept
     out0 = result.results[0][0]
     assert out0["seen"][1] == [0, 1] and len(out0["seen"][2]) == 1   # with 2: one shard each
+    # at the first step torchft counts one group's gradient only (it heals the other from it):
+    # both groups train both shards there, so the one that counts covers the global batch
+    assert out0["seen"]["first"] == [0, 1]
     # the returning group healed from the survivor, past the step the node was lost at
     again = [r for r in result.steps[1] if r["a"] == 1]
     assert again[0]["healed_to"] == again[0]["step"] - 1 >= shrink.step
@@ -367,3 +371,19 @@ def test_a_run_started_on_less_capacity_than_max_grows_when_it_comes(tmp_path, g
     assert out0["seen"][1] == [0, 1]
     assert torch.equal(out0["weights"], result.results[1][0]["weights"])
     _no_process_left(tmp_path / "ft", gpulaunch_home, lighthouse_pids)
+
+
+@pytest.mark.unit
+def test_a_late_group_alone_in_its_quorum_does_not_commit_until_it_has_waited(monkeypatch):
+    """A group started after the run reached step 10 whose quorum had none of the live groups
+    (it is still at step 0) drops the step and asks again; one that healed (step >= 10), a
+    first start (no heal_from) or one that waited ``wait_s`` in vain goes on to commit."""
+    from gpulaunch.ft.replicated import ENV_DIR, ENV_HEAL_FROM, _Progress
+    monkeypatch.delenv(ENV_DIR, raising=False)
+    monkeypatch.setenv(ENV_HEAL_FROM, "10")
+    p = _Progress(group_rank=0)
+    assert p.quorum_without_peers(0) and p.quorum_without_peers(3)
+    assert not p.quorum_without_peers(10)                  # healed to the run's step
+    assert not p.quorum_without_peers(0, wait_s=0.0)       # waited long enough: commit, stop
+    monkeypatch.setenv(ENV_HEAL_FROM, "-1")
+    assert not _Progress(group_rank=0).quorum_without_peers(0)   # a first start

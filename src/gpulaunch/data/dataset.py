@@ -173,14 +173,16 @@ class StreamingDataset(IterableDataset):
                 if collate_rows:
                     yield from (self._sample(r) for r in table.to_pylist())
                 else:
-                    yield self._collate(table)
+                    yield self.collate_table(table)
         finally:
             reader.close()
 
     def _sample(self, row: dict):
         return self.transform(row) if self.transform is not None else row
 
-    def _collate(self, table):
+    def collate_table(self, table):
+        """A batch of the rows of ``table`` (a ``pyarrow.Table``): ``collate``, else
+        ``transform`` per row and torch's ``default_collate``, else the columns as tensors."""
         if self.collate is not None:
             return self.collate(table)
         if self.transform is not None:

@@ -28,19 +28,23 @@ group down, which is replaced as one and heals shard by shard.
 An elastic run (``replicas=(1, 2)``, ``node_lost_timeout=``, ``capacity=ft.Capacity(2)``) goes
 on with fewer groups when a lost one is not replaced in time, and grows back when capacity
 returns (``r.shards()`` keeps the global batch); ``result.size_changes`` lists each change.
+``r.loader(dataset, batch_size=...)`` re-cuts a ``gpulaunch.data.StreamingDataset`` over the
+live groups at every step, each committed row of the stream trained once across the changes.
 
 See docs/fault-tolerance.md.
 """
 
 from ..common.replica_spec import Replicas
 from .elastic import Capacity, ReplicasBelowMinError, SizeChange
+from .elastic_data import ElasticLoader
 from .lighthouse import Lighthouse, LighthouseError
 from .replicas import ReplicaGroups
 from .replicated import Replicated, attempt, num_replicas, replica_id, replicated
 from .result import ReplicaFailure, ReplicasResult, group_pids, read_steps
 from .run import run_replicas
 
-__all__ = ["Capacity", "Lighthouse", "LighthouseError", "ReplicaFailure", "ReplicaGroups",
-           "Replicas", "Replicas", "ReplicasBelowMinError", "ReplicasResult", "Replicated", "SizeChange", "attempt",
-           "group_pids", "num_replicas", "read_steps", "replica_id", "replicated",
+__all__ = ["Capacity", "ElasticLoader", "Lighthouse", "LighthouseError", "ReplicaFailure",
+           "ReplicaGroups", "Replicas", "ReplicasBelowMinError", "ReplicasResult", "Replicated",
+           "SizeChange", "attempt", "group_pids", "num_replicas", "read_steps", "replica_id",
+           "replicated",
            "run_replicas"]

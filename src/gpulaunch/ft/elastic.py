@@ -188,11 +188,20 @@ class SizeChange:
         return f"{self.from_size} -> {self.to_size} at step {self.step}: {self.reason}"
 
 
-def shards_for(rank: int | None, participants: int, total: int) -> list[int]:
+def shards_for(rank: int | None, participants: int, total: int, *,
+               first: bool = False) -> list[int]:
     """The shards (of ``total`` per step) that the group of participating ``rank`` trains on
     when ``participants`` groups take part: ``rank, rank + participants, ...``. Every shard goes
     to exactly one group and every group gets at least one (a group that does not take part,
-    ``rank=None``, a healing one, gets rank 0's: torchft zeroes its gradient)."""
+    ``rank=None``, a healing one, gets rank 0's: torchft zeroes its gradient).
+
+    ``first``: the run's first step (step 0). There torchft makes the groups' weights equal
+    (``init_sync``) by healing every group of the quorum but one from that one, counting them
+    all as participants: only one group's gradient counts. So every group gets every shard, and
+    the one that counts covers the global batch (its loss weight ``participants / total`` and
+    torchft's average over the participants make its gradient the mean over all shards)."""
+    if first:
+        rank, participants = None, 1
     n = max(1, participants)
     if isinstance(total, bool) or not isinstance(total, int) or total < n:
         raise ConfigurationError(

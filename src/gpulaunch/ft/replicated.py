@@ -73,6 +73,21 @@ class _Progress:
             if group_rank == 0:
                 self.path = f"{stem}.steps.jsonl"
         self.healed_to: int | None = None
+        self._alone_since: float | None = None
+
+    def quorum_without_peers(self, step: int, wait_s: float = 30.0) -> bool:
+        """True when this group, started after the run reached step ``heal_from``, is at
+        ``step`` before its first commit: its quorum had none of the live groups in it (a
+        lighthouse that waited ``join_timeout_ms`` for them while a loaded host held them up
+        forms a quorum of the newcomer alone, at step 0). Such a step must not commit; the
+        next quorum will likely have the live groups. After ``wait_s`` of that, False: the
+        commit goes ahead and :meth:`committed` stops the group (nobody to heal from)."""
+        heal_from = int(os.environ.get(ENV_HEAL_FROM, "-1"))
+        if not self.first or heal_from <= 0 or step >= heal_from:
+            return False
+        if self._alone_since is None:
+            self._alone_since = time.monotonic()
+        return time.monotonic() - self._alone_since < wait_s
 
     @staticmethod
     def wait_for_first_starts(timeout: float) -> None:
@@ -130,6 +145,10 @@ def _optimizer_class():
             if closure is not None:
                 raise ConfigurationError("ft.replicated: optimizers that need a closure "
                                          "(LBFGS) are not supported")
+            self.manager.wait_quorum()      # a healing group's step is the peers' after it
+            if self.progress.quorum_without_peers(self.manager.current_step()):
+                self.manager.report_error(RuntimeError(
+                    "a late replica group's quorum had none of the live groups; not committed"))
             if not self.manager.should_commit():
                 self.skipped_steps += 1
                 return False
@@ -215,7 +234,7 @@ class Replicated:
         torchft zeroes its gradient."""
         from .elastic import shards_for
         return shards_for(self.manager.participating_rank(), self.participants,
-                          num_replicas() if total is None else total)
+                          num_replicas() if total is None else total, first=self.step == 0)
 
     def accumulate(self, total: int | None = None):
         """:meth:`shards`, with the gradient all-reduce held back until the last one (DDP's
@@ -240,6 +259,19 @@ class Replicated:
         groups."""
         total = num_replicas() if total is None else int(total)
         return max(1, self.participants) / total
+
+    def loader(self, dataset, batch_size: int, *, shards: int | None = None,
+               name: str = "train"):
+        """This group's batches of a :class:`gpulaunch.data.StreamingDataset`, re-cut over the
+        live replica groups at every step from one position the whole run shares (it travels
+        to a healing group with the weights): each committed step trains the next ``shards x
+        batch_size`` rows of the stream once, whatever groups come and go
+        (:class:`~gpulaunch.ft.elastic_data.ElasticLoader`). Make it before the first step, in
+        every group; iterate it once per step, after ``optimizer.zero_grad()``; scale each loss
+        by its ``weight``. ``shards`` defaults to :func:`num_replicas`."""
+        from .elastic_data import ElasticLoader
+        return ElasticLoader(self, dataset, batch_size, name=name,
+                             shards=num_replicas() if shards is None else shards)
 
     def summary(self) -> dict:
         """A small record to return from the function: replica, attempt, steps, healing."""
