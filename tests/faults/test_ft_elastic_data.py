@@ -27,7 +27,7 @@ from conftest import alive
 
 from gpulaunch.data.stream import StreamReader, epoch_spans
 from gpulaunch.errors import ConfigurationError
-from gpulaunch.ft.elastic_data import position, shard_rows, step_rows
+from gpulaunch.ft.elastic_data import position, rank_part, shard_rows, step_rows
 
 
 def _table(folder: Path, n: int, row_group: int = 5) -> str:
@@ -79,6 +79,14 @@ def test_a_steps_rows_are_the_global_batch_once_for_any_live_groups():
 
 
 @pytest.mark.unit
+def test_the_ranks_of_a_sharded_group_split_each_shard_between_them():
+    """HSDP: the K ranks of a group read disjoint parts that tile the shard's run."""
+    run = shard_rows(100, 2, 12)                     # rows [124, 136)
+    parts = [rank_part(run, k, 3) for k in range(3)]
+    assert parts == [(124, 128), (128, 132), (132, 136)]
+    assert rank_part(run, 0, 1) == run
+
+
 def test_position_follows_the_committed_step_from_its_anchor():
     assert position((0, 0), 0, 6) == 0 and position((0, 0), 5, 6) == 30
     assert position((30, 5), 7, 6) == 42          # a healed group: the peer's anchor

@@ -68,14 +68,24 @@ def step_rows(pos: int, rank: int | None, participants: int, shards: int, batch_
             for k in shards_for(rank, participants, shards, first=first)]
 
 
+def rank_part(run: tuple[int, int], rank: int, ranks: int) -> tuple[int, int]:
+    """The part of a shard's run ``[a, b)`` that rank ``rank`` of a group of ``ranks`` reads: in
+    a sharded group (HSDP) every rank trains its own rows, and FSDP2 averages over them, so the
+    group's gradient is still the mean over the whole shard."""
+    a, b = run
+    part = (b - a) // ranks
+    return a + rank * part, a + (rank + 1) * part
+
+
 # ------------------------------------------------------------------------------- the loader
 
 class ElasticLoader:
     """This replica group's batches of each step; made by :meth:`Replicated.loader`.
 
     Iterate it once per step, after ``optimizer.zero_grad()`` (which starts the step's quorum):
-    it yields one batch of ``batch_size`` rows per shard this group trains, holding back the
-    gradient all-reduce until the last (DDP's ``no_sync``). Scale each loss by ``weight``.
+    it yields one batch of ``batch_size`` rows per shard this group trains (in a group of K
+    ranks, each rank gets its ``batch_size / K`` of them), holding back the gradient all-reduce
+    until the last (DDP's ``no_sync``). Scale each loss by ``weight``.
     """
 
     def __init__(self, replicated, dataset, batch_size: int, *, shards: int,
@@ -89,6 +99,16 @@ class ElasticLoader:
         for what, n in (("batch_size", batch_size), ("shards", shards)):
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ConfigurationError(f"r.loader({what}={n!r}): an int >= 1")
+        # A group of several ranks (HSDP): each reads its part of every shard.
+        import torch.distributed as dist
+        on = dist.is_available() and dist.is_initialized()
+        self.group_rank, self.group_ranks = (dist.get_rank(), dist.get_world_size()) if on \
+            else (0, 1)
+        if batch_size % self.group_ranks:
+            raise ConfigurationError(
+                f"r.loader(batch_size={batch_size}) in a replica group of {self.group_ranks} "
+                f"ranks: give a multiple of {self.group_ranks} (each rank reads its part of "
+                "every shard)")
         self.dataset, self.batch_size = dataset, batch_size
         self.shards = shards
         self._r = replicated
@@ -145,11 +165,11 @@ class ElasticLoader:
         # the next step's rows, if the live groups stay the same: read while this one trains
         for a, b in step_rows(pos + self.rows_per_step, rank, participants, self.shards,
                               self.batch_size):
-            self._reader.prefetch(a, b)
+            self._reader.prefetch(*rank_part((a, b), self.group_rank, self.group_ranks))
         # one gradient all-reduce a step, after the last shard: Replicated.accumulate, whose
         # shards are those of self.rows
-        for _, (a, b) in zip(r.accumulate(self.shards), self.rows):
-            yield self._reader.read(a, b)
+        for _, run in zip(r.accumulate(self.shards), self.rows):
+            yield self._reader.read(*rank_part(run, self.group_rank, self.group_ranks))
 
     def close(self) -> None:
         self._reader.close()
