@@ -30,6 +30,8 @@ from pathlib import Path
 from typing import Any
 
 from ..common.procutil import pid_alive
+from ..errors import RunError
+from .device_slots import DeviceSlots
 from .elastic import (
     CapacityLike,
     ReplicasBelowMinError,
@@ -86,6 +88,10 @@ class ReplicaGroups(ElasticSizing):
         self.max_group_restarts = max_group_restarts
         self.max_lighthouse_restarts = max_lighthouse_restarts
         self.spares = spares if max_group_restarts > 0 else 0
+        # each group's launch its own GPUs (device_slots.py); None on a CPU host
+        self._slots = DeviceSlots.for_host(self.ranks_per_group, self.extra_env)
+        if self._slots is not None:
+            self.spares = self._slots.check(replicas, self.spares)
         self._spares: list[tuple[Path, Any]] = []      # (assignment file, handle), waiting
         self._spare_count = 0
         self._dying: list[tuple[ReplicaFailure, Any]] = []  # failed, launch not yet ended
@@ -175,12 +181,28 @@ class ReplicaGroups(ElasticSizing):
                ENV_LIGHTHOUSE: self.lighthouse.address,
                ENV_MIN: str(self.elastic.min if self.elastic else 1),
                "NUM_REPLICA_GROUPS": str(self.replicas), **env}
+        slot = None
+        if self._slots is not None:
+            slot = self._slots.take()
+            if slot is None:
+                raise RunError("no free GPUs for a replica group's launch: every slot is held "
+                               "by a group still running (a bug: please report it)")
+            env["CUDA_VISIBLE_DEVICES"] = slot[1]
         run = pipeline.launch(build(gpus=self.ranks_per_group, env=env, **self.launch_options),
                               Entry("function"),
                               label=getattr(self.fn, "__name__", "replica"),   # the user's name
                               call=(replica_entry, (self.fn, self.args, self.kwargs), {}, {}),
                               stream=False, standby=True)
-        return handle.RunHandle(run, background=True)
+        h = handle.RunHandle(run, background=True)
+        if slot is not None:
+            self._slots.bind(slot[0], h)
+        return h
+
+    def _let_go(self, handle) -> None:
+        """The caller is done with ``handle``'s launch (ended, or its ranks died): its GPUs
+        may go to the next launch."""
+        if self._slots is not None:
+            self._slots.release(handle)
 
     def _launch(self, replica: int) -> None:
         """Start ``replica``'s current attempt: on a waiting spare if there is one."""
@@ -212,10 +234,12 @@ class ReplicaGroups(ElasticSizing):
         if self.results:                    # the run is ending: spares are not needed
             for _, handle in self._spares:
                 handle.cancel()
+                self._let_go(handle)
             self._spares.clear()
         for replica, handle in list(self.handles.items()):
             if handle.done():
                 del self.handles[replica]
+                self._let_go(handle)
                 try:
                     self.results[replica] = handle.result()
                     self._state[replica] = "done"
@@ -226,6 +250,7 @@ class ReplicaGroups(ElasticSizing):
                 # agent notices, stops the group, writes the outcome): its error is filled in
                 # then, the replacement starts now.
                 del self.handles[replica]
+                self._let_go(handle)
                 self._dying.append((self._failed(replica, "a rank process died"), handle))
         for failure, handle in list(self._dying):
             if handle.done():
