@@ -9,9 +9,11 @@ Python API.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import os
 import shutil
+import signal
 import sys
 import time
 
@@ -87,13 +89,47 @@ def cmd_run(args) -> int:
         cli_torchrun.write_log_dir(args, run)
 
 
+class _StopSignal(BaseException):
+    """SIGTERM, SIGHUP or SIGQUIT to ``gpulaunch run``: the run ends as on Ctrl-C."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+@contextlib.contextmanager
+def _stop_on_signals():
+    """What torchrun does: a SIGTERM (Slurm's scancel or time limit, ``kill``), SIGHUP or
+    SIGQUIT to the launcher stops every rank (SIGTERM, the grace period, SIGKILL), lets the
+    agent record the stop, and only then exits 128 + the signal. Dying at once instead leaves
+    the agent behind for the cluster to SIGKILL before it wrote the run's end. A preemption
+    grace period (``--preempt-grace``) makes SIGTERM a notice instead, inside ``follow``."""
+    def stop(signum, frame):
+        for sig in previous:            # once: a second signal must not cut the stop short
+            signal.signal(sig, signal.SIG_IGN)
+        raise _StopSignal(signum)
+    previous = {}
+    try:
+        for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+            previous[sig] = signal.signal(sig, stop)
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _follow(handle) -> int:
     """Print the ranks' output until the run ends; the exit code torchrun would give."""
     try:
-        handle.follow()
+        with _stop_on_signals():
+            handle.follow()
     except KeyboardInterrupt:
         print("gpulaunch: interrupted; every rank was stopped", file=sys.stderr)
         return 130
+    except _StopSignal as e:
+        print(f"gpulaunch: got {signal.Signals(e.signum).name}; every rank was stopped",
+              file=sys.stderr)
+        return 128 + e.signum
     except errors.RunError as e:
         print(f"gpulaunch: {e}", file=sys.stderr)
         code = e.exit_code
