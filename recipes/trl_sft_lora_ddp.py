@@ -25,6 +25,10 @@
 #   architecture is built with random weights, tiny (CI, CPU) or at the real shape (`--full`).
 # - `--data PATH`: your JSONL/Parquet with a `messages` column; default: the shipped chat set.
 # - `--output PATH_OR_URL`: where rank 0 saves the adapter (and, for a random base, the base).
+# - `--load-in-4bit`: QLoRA, the base's linear layers in 4 bits through bitsandbytes
+#   (`BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True)`,
+#   computing in bf16 on a GPU, fp32 on CPU), LoRA on all of them; needs `bitsandbytes`
+#   (0.50.2 quantizes on CPU too). `llm_common/qlora.py` says which `--speed auto` paths stay off.
 #
 # As a script: `python recipes/trl_sft_lora_ddp.py --help`. As a notebook: edit `DEFAULTS`.
 
@@ -47,6 +51,10 @@ DEFAULTS = options.RecipeOptions(
 TINY = dict(lr=3e-3, warmup_steps=0, lora_train_modules="embed_tokens,lm_head", batch_size=8, grad_accum=1, seq_len=64, max_steps=60, eval_steps=30,
             gradient_checkpointing=False)
 OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
+if OPTS.load_in_4bit:   # refused here, before any rank starts, when it cannot run
+    from llm_common import qlora
+    qlora.require_bitsandbytes()
+    qlora.refuse_prequantized(OPTS.model)
 
 
 # %% [markdown]
@@ -59,19 +67,20 @@ def train(opts: options.RecipeOptions) -> dict:
     entry = time.time()
     from pathlib import Path
 
-    from llm_common import architectures, chat_tokenizer, long_chat, outputs, sft, speed
+    from llm_common import architectures, chat_tokenizer, long_chat, outputs, qlora, sft, speed
     from peft import LoraConfig
     from trl import SFTTrainer
 
     device = rt.device()                       # cuda:<local rank>, or cpu
     prec = sft.precision(opts.dtype, device)
+    quant = qlora.bnb_config(prec) if opts.load_in_4bit else None   # QLoRA: a 4-bit base
     arch = architectures.get(opts.arch)
     tokenizer = chat_tokenizer.load_tokenizer(opts.model)
     train_ds, eval_ds = long_chat.datasets_for(opts, tokenizer, rt.get_world_size())
     out_dir = outputs.staging_dir(opts.output_path()) if rt.is_main() else tempfile.mkdtemp()
     # the fast settings for this host and model (--speed off: the seed's plain ones)
     fast = speed.settings(opts, device, technique=sft.DDP, config=speed.model_config(opts, tokenizer),
-                          lora=True, world_size=rt.get_world_size())
+                          lora=True, world_size=rt.get_world_size(), quantized=quant is not None)
     opts, speed_args, model_kwargs = speed.apply(opts, fast)
 
     config = sft.sft_config(
@@ -84,16 +93,20 @@ def train(opts: options.RecipeOptions) -> dict:
         arch_name=opts.arch, model_path=opts.model, full=opts.full, tokenizer=tokenizer,
         dtype=sft.torch_dtype(prec), seed=opts.seed,
         attn_implementation=opts.attn or model_kwargs.get("attn_implementation"),
-        layers=opts.layers,
+        layers=opts.layers, quantization_config=quant,
         device_map={"": device} if device.type == "cuda" else None, init_device=device)
     if opts.save and opts.model is None and rt.is_main():     # a random base must travel with its adapter
-        model.save_pretrained(Path(out_dir) / outputs.BASE_DIR)
+        model.save_pretrained(Path(out_dir) / outputs.BASE_DIR)   # (unquantized: the true base)
+    if quant is not None and opts.model is None:   # a random base: quantized from memory
+        model = qlora.quantize_random_base(model, quant, device)
     lora = LoraConfig(r=opts.lora_r, lora_alpha=opts.lora_alpha, lora_dropout=opts.lora_dropout,
                       target_modules="all-linear", bias="none", task_type="CAUSAL_LM",
                       modules_to_save=opts.lora_train_modules.split(",") if opts.lora_train_modules else None)
     trainer = SFTTrainer(model=model, args=config, train_dataset=train_ds, eval_dataset=eval_ds,
                          processing_class=tokenizer, peft_config=lora)
     technique = sft.require(trainer, sft.DDP)
+    if quant is not None:
+        qlora.keep_trainable_in(trainer.model, prec)    # fp32 (CPU): undo TRL's bf16 adapters
     fused = speed.fuse(trainer, fast)               # before train(): DDP wraps it there
     compiled = speed.compile_layers(trainer, fast)  # after fusing: the layers' final modules
     result = sft.train_and_measure(trainer, device, opts, entry=entry)
@@ -105,6 +118,8 @@ def train(opts: options.RecipeOptions) -> dict:
     return sft.stamp_exit({**result, "technique": technique,
             "speed": speed.summary(fast), "fused_lora": fused, "compiled_layers": compiled,
             "world_size": rt.get_world_size(), "precision": prec,
+            "load_in_4bit": quant is not None,
+            "quantization": qlora.describe(trainer.model) if quant is not None else None,
             "parameters": architectures.count_parameters(trainer.model),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "output": opts.output_path() if opts.save else None})

@@ -151,11 +151,13 @@ def _for_installed_transformers(kw: dict) -> dict:
 
 def load_model(*, arch_name: str, model_path: str | None, full: bool, tokenizer, dtype,
                seed: int, attn_implementation: str | None = None, device_map=None,
-               init_device=None, layers: int | None = None):
+               init_device=None, layers: int | None = None, quantization_config=None):
     """Real weights from ``model_path``, else the architecture randomly initialised from
     ``seed`` (identical on every rank, so DDP starts from one model even before its broadcast).
     ``init_device`` builds a random model directly there (a 20B model initialises in seconds on
-    a GPU, in minutes on a CPU)."""
+    a GPU, in minutes on a CPU). ``quantization_config`` (QLoRA's BitsAndBytesConfig) applies to
+    ``model_path`` only: a random base comes back unquantized, for the recipe to save as the
+    adapter's base first (``llm_common.qlora.quantize_random_base`` then quantizes it)."""
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -165,7 +167,7 @@ def load_model(*, arch_name: str, model_path: str | None, full: bool, tokenizer,
     if model_path:
         if device_map is not None:
             kwargs["device_map"] = device_map
-        quant = _mxfp4_dequantize_if_needed(model_path)
+        quant = quantization_config or _mxfp4_dequantize_if_needed(model_path)
         if quant is not None:
             kwargs["quantization_config"] = quant
         model = AutoModelForCausalLM.from_pretrained(model_path, use_cache=False, **kwargs)

@@ -13,6 +13,15 @@ import dataclasses
 import sys
 from dataclasses import dataclass, field
 
+# Flags only some recipes implement; any other recipe refuses them rather than ignore them.
+RECIPE_FLAGS = {
+    "load_in_4bit": (("trl_sft_lora_ddp",),
+                     "QLoRA's 4-bit base is in trl_sft_lora_ddp (--load-in-4bit); "
+                     "axolotl_qlora_ddp loads its base in 4 bits by itself on a GPU"),
+}
+FLAG_HELP = {"load_in_4bit": "QLoRA: load the base in 4 bits (bitsandbytes nf4, double "
+                             "quantization), LoRA on all linear layers"}
+
 
 @dataclass
 class RecipeOptions:
@@ -42,6 +51,7 @@ class RecipeOptions:
     lora_alpha: int = 16
     lora_dropout: float = 0.05
     lora_train_modules: str | None = None  # comma list trained in full beside LoRA (modules_to_save)
+    load_in_4bit: bool = False        # QLoRA: the base in 4 bits (bitsandbytes nf4); RECIPE_FLAGS
     gradient_checkpointing: bool = False
     attn: str | None = None           # attn_implementation ("sdpa", "eager", ...)
     dtype: str = "auto"               # auto: bf16 on GPU, fp32 on CPU
@@ -117,7 +127,7 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
         current = getattr(defaults, f.name)
         if f.type in ("bool", bool):
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
-                                help=f"(default {current})")
+                                help=f"{FLAG_HELP.get(f.name, '')} (default {current})".strip())
         else:
             kind = {"int": int, "float": float, "int | None": int, "float | None": float}.get(
                 str(f.type), str)
@@ -126,6 +136,10 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
                         help="recipe-specific setting, repeatable")
     ns = parser.parse_args(argv)
     given = {k: v for k, v in vars(ns).items() if v is not None and k != "extra"}
+    for name, (recipes, where) in RECIPE_FLAGS.items():
+        if given.get(name) and defaults.recipe not in recipes:
+            raise SystemExit(f"--{name.replace('_', '-')} is not an option of "
+                             f"{defaults.recipe or 'this recipe'}: {where}")
     opts = dataclasses.replace(defaults, **given)
     opts.started_at = _process_start()
     opts.given = tuple(sorted(given))

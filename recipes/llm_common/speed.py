@@ -59,20 +59,34 @@ def model_config(opts, tokenizer):
 
 
 def settings(opts, device, *, technique: str, config, lora: bool, world_size: int,
-             adapted_experts: bool = False):
+             adapted_experts: bool = False, quantized: bool = False):
     """gpulaunch.hf.speed_settings for this run, or None with ``--speed off``.
-    ``adapted_experts``: LoRA also adapts the MoE expert parameters."""
+    ``adapted_experts``: LoRA also adapts the MoE expert parameters. ``quantized``: the base is
+    bitsandbytes 4-bit (QLoRA): compiled layers and fused LoRA stay off unless asked for
+    (``llm_common.qlora.SPEED_WHY`` says why); Liger is then decided as for any eager run."""
     if opts.speed not in MODES:
         raise SystemExit(f"--speed {opts.speed!r}: use one of {', '.join(MODES)}")
     if opts.speed == "off":
         return None
     from gpulaunch.hf import speed_settings
     ckpt = opts.gradient_checkpointing if "gradient_checkpointing" in opts.given else None
+    compile_choice = opts.extra.get("compile")
+    gpu = getattr(device, "type", str(device)) == "cuda"
+    if quantized and gpu and compile_choice is None:    # on CPU nothing compiles anyway
+        compile_choice = False
     s = speed_settings(config, device=device, technique=technique, seq_len=opts.seq_len,
                        micro_batch_size=opts.batch_size, lora_rank=opts.lora_r if lora else None,
                        world_size=world_size, packed=opts.packed,
-                       compile=opts.extra.get("compile"), liger=opts.extra.get("liger"),
+                       compile=compile_choice, liger=opts.extra.get("liger"),
                        gradient_checkpointing=ckpt, adapted_experts=adapted_experts)
+    if quantized:
+        from .qlora import SPEED_WHY
+        if gpu and "compile" not in opts.extra:
+            s.reasons["compile_layers"] = SPEED_WHY["compile_layers"]
+            s.reasons["torch_compile"] = SPEED_WHY["torch_compile"]
+        if "fused_lora" not in opts.extra:
+            s.fuse_lora = False
+            s.reasons["fuse_lora"] = SPEED_WHY["fuse_lora"]
     if "fused_lora" in opts.extra:
         s.fuse_lora = bool(opts.extra["fused_lora"]) and lora
         s.reasons["fuse_lora"] = "asked for"
