@@ -28,6 +28,11 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
   while the budget lasts, ``--speed auto`` with ``-x compile=false``, with mb 2 x ga 1 (the
   same tokens a step) and with transformers' flex attention (sinks through its log-sum-exp;
   CUDA only, not in the smoke). Target: fast / plain >= 2.0.
+- ``qlora``: Axolotl's QLoRA recipe and ``trl_sft_lora_ddp --load-in-4bit`` on the same model
+  (OLMo-3-7B), shape (2 x 2048 tokens, 4 micro-batches a step) and adapter (4-bit nf4 base,
+  LoRA r 32 all-linear), no checkpointing in either, tokens counted from the fetched batches in
+  both; then, with the budget's slack, the TRL row with its layers compiled over Linear4bit.
+  Needs ``.device-carry/llm-frameworks.tar.xz`` too (Axolotl's tree; bitsandbytes for TRL).
 
     python bench/llm_speed.py --carry                   # here: copy the anchors to .device-carry
     bash bench/llm_speed.sh                             # there (GPU): GROUP=lora|full|quality
@@ -54,9 +59,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_recipes_gpu as recipes_bench  # noqa: E402  (Run, execute, shapes: one launcher code)
+from _llm_speed_plans import gptoss_plan, qlora_plan  # noqa: E402
 
 ROOT = HERE.parent
-GROUPS = ("lora", "full", "quality", "frameworks", "gptoss")
+GROUPS = ("lora", "full", "quality", "frameworks", "gptoss", "qlora")
 LOSS_TOLERANCE = 0.02
 
 
@@ -161,44 +167,10 @@ def plan(group: str, smoke: bool) -> list[Item]:
                         role="framework_twin", smoke=smoke, est_s=70,
                         row="trl_sft_lora_ddp --speed auto, the same model, shape and adapter")]
     if group == "gptoss":
-        return gptoss_plan(smoke)
+        return gptoss_plan(smoke, _recipe, recipes_bench._shape)
+    if group == "qlora":
+        return qlora_plan(smoke, _recipe, recipes_bench._shape)
     raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)} or all")
-
-
-GPTOSS_STEPS = 48          # 40 steady steps: ~49 s plain (3.3k tokens/s), ~20 s at 8k
-
-
-def gptoss_plan(smoke: bool) -> list[Item]:
-    """The seed's gpt-oss-20b row (bench/llm_recipes_gpu.py phase 2, ``--speed off``) against
-    ``--speed auto``, the same steps; the fast run drops the seed's explicit
-    ``--gradient-checkpointing`` and ``--attn eager`` (they would win over ``--speed auto``)."""
-    group, nosave = "gptoss", ["-x", "save=false"]
-    steps = 4 if smoke else GPTOSS_STEPS
-
-    def shape(*more, mb=1, ga=2):
-        return recipes_bench._shape(smoke, "gpt-oss-20b", 2048, mb, ga, steps, "--measure-after",
-                                    "8", "--eval-batches", "1", *more, *nosave)
-    seed = ["--gradient-checkpointing", *([] if smoke else ["--attn", "eager"])]
-    mb2 = ["--batch-size", "2", "--grad-accum", "1"] if smoke else []
-
-    def fast(label, row, *more, est_s=150, **kw):
-        return _recipe(label, group, "trl_sft_lora_ddp", shape(*more, **kw), role="variant",
-                       row=row, est_s=est_s, smoke=smoke)
-    rows = [_recipe("gptoss_plain", group, "trl_sft_lora_ddp",
-                    shape("--speed", "off", *seed), role="plain", est_s=90, smoke=smoke,
-                    row="gpt-oss-20b trl_sft_lora_ddp --speed off (seed: mb 1 x ga 2, grad. "
-                        "ckpt, eager attention)"),
-            fast("gptoss_fast", "gpt-oss-20b --speed auto (mb 1 x ga 2)", "--speed", "auto"),
-            # is compiling the MoE layers worth its compile time? (cheap: no compile)
-            fast("gptoss_fast_eager", "gpt-oss-20b --speed auto -x compile=false", "--speed",
-                 "auto", "-x", "compile=false", est_s=70),
-            fast("gptoss_fast_mb2", "gpt-oss-20b --speed auto, mb 2 x ga 1", "--speed", "auto",
-                 *mb2, mb=2, ga=1)]
-    rows[1].role = "fast"
-    if not smoke:   # transformers runs flex attention's sinks on CUDA only
-        rows.append(fast("gptoss_fast_flex", "gpt-oss-20b --speed auto --attn flex_attention",
-                         "--speed", "auto", "--attn", "flex_attention", est_s=170))
-    return rows
 
 
 def anchor_command(item: Item, json_path: Path) -> list[str]:
@@ -266,6 +238,9 @@ def ratios(runs: list[dict]) -> dict:
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
     out["trl_lora_3b_vs_unsloth_3b"] = ratio(_rate(by.get("trl_lora_3b", {})),
                                              _rate(by.get("unsloth_3b", {})))
+    for label in ("trl_qlora", "trl_qlora_compiled"):
+        out[f"{label}_vs_axolotl_qlora"] = ratio(_rate(by.get(label, {})),
+                                                 _rate(by.get("axolotl_qlora", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
     plain = _rate(by.get("gptoss_plain", {}))
     for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
@@ -301,6 +276,8 @@ def markdown(summary: dict) -> str:
             vs = rat.get("zero3_fast_vs_anchor_full")
         if r["label"].startswith("gptoss_fast"):                  # no anchor: vs the seed's
             vs = rat.get(f"{r['label']}_vs_plain")
+        if r["label"].startswith("trl_qlora"):                    # vs Axolotl's QLoRA
+            vs = rat.get(f"{r['label']}_vs_axolotl_qlora")
         rate, mfu, peak = (x.get(k) for k in ("steady_tokens_per_second", "mfu",
                                               "peak_memory_gib"))
         lines.append(f"| {r['row']} (`{r['label']}`) | {round(rate) if rate else '-'} | "
@@ -371,6 +348,11 @@ def main(argv=None) -> int:
         summary["versions"].get("trl"), dict) else None
     summary["machine"] = gpu or summary["machine"]
     for item in items:
+        if item.recipe is not None and not recipes_bench.available(item.recipe.site):
+            summary["skipped"].append({"run": item.label, "why": "framework not carried "
+                                       f"(LLM_SITE_{item.recipe.site.upper()} unset)"})
+            print(f"--- skipped {item.label}: {item.recipe.site} not carried", flush=True)
+            continue
         if time.time() + 0.75 * item.est_s > deadline and not args.smoke:
             summary["skipped"].append({"run": item.label, "why": "budget"})
             print(f"--- skipped {item.label}: budget", flush=True)

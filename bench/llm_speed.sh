@@ -6,6 +6,8 @@
 #   GROUP=frameworks bash bench/llm_speed.sh  # Unsloth vs TRL LoRA, Llama-3.2-3B (also carry
 #                                             # .device-carry/llm-frameworks.tar.xz)
 #   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)
+#   GROUP=qlora TOTAL_S=450 bash bench/llm_speed.sh    # Axolotl vs TRL QLoRA, OLMo-3-7B (also carry
+#                                                      # .device-carry/llm-frameworks.tar.xz)
 # Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
 # .device-carry/anchors (python3 bench/llm_speed.py --carry, here).
 # Writes $OUT/llm_speed.{json,md}, $OUT/llm-speed-logs.tar.gz, $OUT/driver.log.
@@ -26,6 +28,15 @@ if [ -f .device-carry/llm-frameworks.tar.xz ] && [ ! -d /tmp/site-unsloth ]; the
   tar -C /tmp -xJf .device-carry/llm-frameworks.tar.xz || echo "unpacking the frameworks failed"
 fi
 export LLM_SITE_UNSLOTH=/tmp/site-unsloth:/tmp/site-fwcommon
+[ -d /tmp/site-axolotl ] && export LLM_SITE_AXOLOTL=/tmp/site-axolotl:/tmp/site-fwcommon
+# the TRL QLoRA row: the TRL stack plus bitsandbytes alone, linked out of the bundle's common
+# tree (not the whole tree: its datasets 4.8 and torchao would sit beside the TRL stack's)
+if [ -d /tmp/site-fwcommon/bitsandbytes ]; then
+  mkdir -p /tmp/site-bnb
+  ln -sfn /tmp/site-fwcommon/bitsandbytes /tmp/site-bnb/bitsandbytes
+  for d in /tmp/site-fwcommon/bitsandbytes-*.dist-info; do ln -sfn "$d" /tmp/site-bnb/; done
+  export LLM_SITE_TRL_QLORA=/tmp/site:/tmp/site-bnb
+fi
 export LLM_SITE_TRL=/tmp/site PYTHONPATH=/tmp/site:$PWD/src${PYTHONPATH:+:$PYTHONPATH}
 echo "installs: $(( $(date +%s) - t0 )) s"
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 TOKENIZERS_PARALLELISM=false PYTHONUNBUFFERED=1

@@ -1,0 +1,79 @@
+"""Two groups of ``bench/llm_speed.py``, planned here to keep that script short: ``gptoss`` and
+``qlora``. Each takes the script's row factory (``llm_speed._recipe``) and the shared run
+shape (``llm_recipes_gpu._shape``), so that every row is built the same way as the others."""
+
+from __future__ import annotations
+
+GPTOSS_STEPS = 48          # 40 steady steps: ~49 s plain (3.3k tokens/s), ~20 s at 8k
+QLORA_STEPS = 10           # 8 steady steps after 2 of warm-up (~2-3 s a step on an H200)
+
+
+def gptoss_plan(smoke: bool, recipe, shape_of) -> list:
+    """The seed's gpt-oss-20b row (bench/llm_recipes_gpu.py phase 2, ``--speed off``) against
+    ``--speed auto``, the same steps; the fast run drops the seed's explicit
+    ``--gradient-checkpointing`` and ``--attn eager`` (they would win over ``--speed auto``)."""
+    group, nosave = "gptoss", ["-x", "save=false"]
+    steps = 4 if smoke else GPTOSS_STEPS
+
+    def shape(*more, mb=1, ga=2):
+        return shape_of(smoke, "gpt-oss-20b", 2048, mb, ga, steps, "--measure-after",
+                        "8", "--eval-batches", "1", *more, *nosave)
+    seed = ["--gradient-checkpointing", *([] if smoke else ["--attn", "eager"])]
+    mb2 = ["--batch-size", "2", "--grad-accum", "1"] if smoke else []
+
+    def fast(label, row, *more, est_s=150, **kw):
+        return recipe(label, group, "trl_sft_lora_ddp", shape(*more, **kw), role="variant",
+                      row=row, est_s=est_s, smoke=smoke)
+    rows = [recipe("gptoss_plain", group, "trl_sft_lora_ddp",
+                   shape("--speed", "off", *seed), role="plain", est_s=90, smoke=smoke,
+                   row="gpt-oss-20b trl_sft_lora_ddp --speed off (seed: mb 1 x ga 2, grad. "
+                       "ckpt, eager attention)"),
+            fast("gptoss_fast", "gpt-oss-20b --speed auto (mb 1 x ga 2)", "--speed", "auto"),
+            # is compiling the MoE layers worth its compile time? (cheap: no compile)
+            fast("gptoss_fast_eager", "gpt-oss-20b --speed auto -x compile=false", "--speed",
+                 "auto", "-x", "compile=false", est_s=70),
+            fast("gptoss_fast_mb2", "gpt-oss-20b --speed auto, mb 2 x ga 1", "--speed", "auto",
+                 *mb2, mb=2, ga=1)]
+    rows[1].role = "fast"
+    if not smoke:   # transformers runs flex attention's sinks on CUDA only
+        rows.append(fast("gptoss_fast_flex", "gpt-oss-20b --speed auto --attn flex_attention",
+                         "--speed", "auto", "--attn", "flex_attention", est_s=170))
+    return rows
+
+
+def qlora_plan(smoke: bool, recipe, shape_of) -> list:
+    """Axolotl's QLoRA recipe beside the TRL LoRA recipe's QLoRA mode on the same model, shape
+    and adapter: OLMo-3-7B (the Axolotl seed's model, the one shape Axolotl has run on the
+    lent GPU), random init, 2 x 2048 tokens, 4 micro-batches a step (the seed's mb 2 x ga 4),
+    a 4-bit nf4 base, LoRA r 32 alpha 16 dropout 0.05 on all linear layers (the seed's).
+
+    Both rows get the same explicit choices where a framework would otherwise decide alone:
+    no gradient checkpointing (the step fits without it: the 2026-12-03 Axolotl row peaked at
+    5.2 GiB with it), and tokens counted from the batches each optimizer step fetched
+    (``-x token_counter=batches``, the same counter in both). Axolotl's row runs on its carried
+    tree (``site="axolotl"``: its pinned transformers 5.16.1 / trl 1.9.0 / peft 0.20.0); the
+    TRL row runs the TRL stack plus bitsandbytes alone (``site="trl_qlora"``, see
+    bench/llm_speed.sh). On CPU (``--smoke``) both run the tiny OLMo-3: the TRL row quantizes
+    for real (bitsandbytes 0.50.2 runs 4-bit on CPU); Axolotl's recipe trains plain LoRA there
+    (it turns 4 bits on only on a GPU, and says so)."""
+    group = "qlora"
+    olmo = shape_of(smoke, "olmo-3-7b", 2048, 2, 4, 4 if smoke else QLORA_STEPS,
+                    "--measure-after", "2", "--eval-batches", "1",
+                    "--lr", "2e-4", "--warmup-steps", "1")
+    same = olmo + ["--lora-r", "32", "--lora-alpha", "16", "--lora-dropout", "0.05",
+                   "--no-gradient-checkpointing", "-x", "token_counter=batches"]
+    trl = same + ["--load-in-4bit", "-x", "save=false"]
+    rows = [recipe("axolotl_qlora", group, "axolotl_qlora_ddp", same, role="framework",
+                   site="axolotl", smoke=smoke, est_s=130,
+                   row="axolotl_qlora_ddp OLMo-3-7B, 4-bit base, r 32 (Axolotl 0.19's trainer)"),
+            recipe("trl_qlora", group, "trl_sft_lora_ddp", trl, role="framework_twin",
+                   site="trl_qlora", smoke=smoke, est_s=90,
+                   row="trl_sft_lora_ddp --load-in-4bit --speed auto, the same model, shape "
+                       "and adapter")]
+    if not smoke:   # the budget's slack: does compiling the layers pay over Linear4bit?
+        rows.append(recipe("trl_qlora_compiled", group, "trl_sft_lora_ddp",
+                           trl + ["-x", "compile=true"], role="variant", site="trl_qlora",
+                           smoke=smoke, est_s=120,
+                           row="trl_sft_lora_ddp --load-in-4bit -x compile=true (compiled "
+                               "layers over Linear4bit)"))
+    return rows
