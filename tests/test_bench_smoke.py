@@ -157,3 +157,28 @@ def test_preempt_checkpoint_smoke(tmp_path):
     assert row["caller_exit_code"] != 0 and row["resumed_ok"], row
     assert row["resumed_at_step"] == row["step_saved"] >= 5
     assert 0 < row["notice_to_checkpoint_s"] < 30 and "checkpoint of step" in row["caller_message"]
+
+
+def test_llm_speed_qlora_smoke(tmp_path, monkeypatch):
+    """bench/llm_speed.py's qlora group on CPU, tiny OLMo-3: the TRL row trains a 4-bit base for
+    real (bitsandbytes, from the test extra, runs 4-bit on CPU) on its own site, as on the GPU;
+    Axolotl's row runs where its environment is named (LLM_PYTHON_AXOLOTL, from
+    scripts/recipe_venv.sh axolotl) and is skipped, and said so, elsewhere."""
+    bnb = pytest.importorskip("bitsandbytes")
+    monkeypatch.setenv("LLM_SITE_TRL_QLORA", str(Path(bnb.__file__).resolve().parents[1]))
+    monkeypatch.setenv("GPULAUNCH_FORCE_CPU", "1")
+    _run("llm_speed.py", "--smoke", "--group", "qlora", out=tmp_path, timeout=600)
+    summary = json.loads((tmp_path / "llm_speed.json").read_text())
+    rows = {r["label"]: r for r in summary["runs"]}
+    trl = rows["trl_qlora"]["result"]
+    assert rows["trl_qlora"]["rc"] == 0 and trl["load_in_4bit"] is True
+    assert trl["quantization"]["linear4bit_modules"] == 4 * 7     # 4 layers x 7 projections
+    assert trl["token_counter"] == "batches" and all(t > 0 for t in trl["step_tokens"])
+    assert trl["steady_tokens_per_second"] > 0
+    if os.environ.get("LLM_PYTHON_AXOLOTL"):
+        assert rows["axolotl_qlora"]["rc"] == 0
+        assert summary["ratios"]["trl_qlora_vs_axolotl_qlora"] > 0
+    else:
+        assert summary["skipped"] == [{"run": "axolotl_qlora",
+                                       "why": "framework not carried (LLM_SITE_AXOLOTL unset)"}]
+    assert "(`trl_qlora`) |" in (tmp_path / "llm_speed.md").read_text()

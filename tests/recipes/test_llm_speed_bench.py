@@ -28,7 +28,7 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "24 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "27 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
@@ -38,6 +38,15 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
                for g in gpt[1:4])
     assert "--attn flex_attention" in gpt[4]
     assert "-x compile=false" in gpt[2] and "--batch-size 2 --grad-accum 1" in gpt[3]
+    # qlora: Axolotl's recipe and the TRL QLoRA mode on one model, shape and adapter
+    q = {line.split()[1]: next_line for line, next_line in
+         zip(p.stdout.splitlines(), p.stdout.splitlines()[1:]) if line.startswith("[qlora]")}
+    assert list(q) == ["axolotl_qlora", "trl_qlora", "trl_qlora_compiled"]
+    shape = q["axolotl_qlora"].split("axolotl_qlora_ddp.py ")[1].split(" --results")[0]
+    assert "--arch olmo-3-7b --full" in shape and "--lora-r 32" in shape
+    assert "-x token_counter=batches" in shape and "--no-gradient-checkpointing" in shape
+    assert f"trl_sft_lora_ddp.py {shape} --load-in-4bit -x save=false --results" in q["trl_qlora"]
+    assert "--load-in-4bit -x save=false -x compile=true" in q["trl_qlora_compiled"]
 
 
 @pytest.mark.unit
@@ -63,6 +72,11 @@ def test_ratios_and_loss_checks():
                              "ratios": r, "loss_checks": checks})
     assert "| 61200 | 1.2 |" in md
     assert r["gptoss_fast_vs_plain"] == 2.0 and r["gptoss_fast_mb2_vs_plain"] is None
+    qruns = [run("axolotl_qlora", "framework", 5_000), run("trl_qlora", "framework_twin", 6_000)]
+    q = llm_speed.ratios(qruns)
+    assert q["trl_qlora_vs_axolotl_qlora"] == 1.2 and q["trl_qlora_compiled_vs_axolotl_qlora"] is None
+    assert "| 6000 | 1.2 |" in llm_speed.markdown({"when": "t", "machine": "m", "command": "c",
+                                                   "runs": qruns, "ratios": q, "loss_checks": {}})
     assert checks["gptoss_fast"]["ok"] is True and "| 6624 | 2.0 |" in md   # vs the seed's
     assert "recompile limit" not in md                   # no compiled recipe run recorded any
     runs[2]["result"]["speed"] = {"recompile_limit_hits": {"value": ["wrapped_func"]}}

@@ -182,6 +182,28 @@ def test_trl_lora_ddp_learns_saves_to_a_url_reloads_and_logs_to_mlflow(tmp_path)
     assert len(history) >= 2 and history[-1].value < history[0].value
 
 
+@pytest.mark.slow
+def test_trl_qlora_trains_a_4bit_base_on_cpu_saves_and_reloads(tmp_path):
+    """--load-in-4bit for real on CPU (bitsandbytes 0.50.2 quantizes there): every decoder
+    linear a bitsandbytes Linear4bit, counted in the result; the adapter learns, and loads back
+    onto the saved (unquantized) random base."""
+    bnb = pytest.importorskip("bitsandbytes")
+    where = str(Path(bnb.__file__).resolve().parents[1])   # its site dir, for the ranks too
+    r, proc = run_recipe("trl_sft_lora_ddp", tmp_path, "--load-in-4bit", "--arch", "olmo-3-7b",
+                         "--gpus", "1", "--max-steps", "24", "--eval-steps", "24",
+                         "--eval-batches", "4", "--output", str(tmp_path / "out"),
+                         env_extra={"GPULAUNCH_HOME": str(tmp_path / "home"), "PYTHONPATH":
+                                    os.pathsep.join([str(ROOT / "src"), str(RECIPES), where])})
+    assert r["load_in_4bit"] is True and r["technique"] == "ddp"
+    q = r["quantization"]
+    assert q["linear4bit_modules"] == 4 * 7          # tiny OLMo-3: 4 layers x 7 projections
+    assert (q["quant_type"], q["double_quant"], q["compute_dtype"]) == ("nf4", True, "float32")
+    assert r["fused_lora"] is None and r["speed"]["fuse_lora"]["value"] is False
+    assert r["eval_loss_after"] < 0.85 * r["eval_loss_before"], r["eval_losses"]
+    assert (tmp_path / "out" / "base_model" / "model.safetensors").exists()
+    assert "generated:" in proc.stdout
+
+
 PARITY_ARGS = ("--max-steps", "40", "--eval-steps", "20")
 
 
