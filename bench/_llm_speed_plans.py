@@ -55,7 +55,8 @@ def qlora_plan(smoke: bool, recipe, shape_of) -> list:
     TRL row runs the TRL stack plus bitsandbytes alone (``site="trl_qlora"``, see
     bench/llm_speed.sh). On CPU (``--smoke``) both run the tiny OLMo-3: the TRL row quantizes
     for real (bitsandbytes 0.50.2 runs 4-bit on CPU); Axolotl's recipe trains plain LoRA there
-    (it turns 4 bits on only on a GPU, and says so)."""
+    (it turns 4 bits on only on a GPU, and says so). The two variant rows (Liger, compiled
+    layers: off by default over 4 bits, unmeasured) run on GPU only, with the budget's slack."""
     group = "qlora"
     olmo = shape_of(smoke, "olmo-3-7b", 2048, 2, 4, 4 if smoke else QLORA_STEPS,
                     "--measure-after", "2", "--eval-batches", "1",
@@ -70,10 +71,14 @@ def qlora_plan(smoke: bool, recipe, shape_of) -> list:
                    site="trl_qlora", smoke=smoke, est_s=90,
                    row="trl_sft_lora_ddp --load-in-4bit --speed auto, the same model, shape "
                        "and adapter")]
-    if not smoke:   # the budget's slack: does compiling the layers pay over Linear4bit?
-        rows.append(recipe("trl_qlora_compiled", group, "trl_sft_lora_ddp",
-                           trl + ["-x", "compile=true"], role="variant", site="trl_qlora",
-                           smoke=smoke, est_s=120,
-                           row="trl_sft_lora_ddp --load-in-4bit -x compile=true (compiled "
-                               "layers over Linear4bit)"))
+    if not smoke:   # the budget's slack: do Liger, or compiled layers, pay over Linear4bit?
+        rows += [recipe("trl_qlora_liger", group, "trl_sft_lora_ddp", trl + ["-x", "liger=true"],
+                        role="variant", site="trl_qlora", smoke=smoke, est_s=90,
+                        row="trl_sft_lora_ddp --load-in-4bit -x liger=true (Liger's kernels "
+                            "over a 4-bit base)"),
+                 recipe("trl_qlora_compiled", group, "trl_sft_lora_ddp",
+                        trl + ["-x", "compile=true"], role="variant", site="trl_qlora",
+                        smoke=smoke, est_s=120,
+                        row="trl_sft_lora_ddp --load-in-4bit -x compile=true (compiled "
+                            "layers over Linear4bit)")]
     return rows

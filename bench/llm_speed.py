@@ -31,7 +31,7 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
 - ``qlora``: Axolotl's QLoRA recipe and ``trl_sft_lora_ddp --load-in-4bit`` on the same model
   (OLMo-3-7B), shape (2 x 2048 tokens, 4 micro-batches a step) and adapter (4-bit nf4 base,
   LoRA r 32 all-linear), no checkpointing in either, tokens counted from the fetched batches in
-  both; then, with the budget's slack, the TRL row with its layers compiled over Linear4bit.
+  both; then, with the budget's slack, the TRL row with Liger, and with its layers compiled.
   Needs ``.device-carry/llm-frameworks.tar.xz`` too (Axolotl's tree; bitsandbytes for TRL).
 
     python bench/llm_speed.py --carry                   # here: copy the anchors to .device-carry
@@ -238,7 +238,7 @@ def ratios(runs: list[dict]) -> dict:
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
     out["trl_lora_3b_vs_unsloth_3b"] = ratio(_rate(by.get("trl_lora_3b", {})),
                                              _rate(by.get("unsloth_3b", {})))
-    for label in ("trl_qlora", "trl_qlora_compiled"):
+    for label in ("trl_qlora", "trl_qlora_liger", "trl_qlora_compiled"):
         out[f"{label}_vs_axolotl_qlora"] = ratio(_rate(by.get(label, {})),
                                                  _rate(by.get("axolotl_qlora", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)

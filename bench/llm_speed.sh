@@ -6,7 +6,7 @@
 #   GROUP=frameworks bash bench/llm_speed.sh  # Unsloth vs TRL LoRA, Llama-3.2-3B (also carry
 #                                             # .device-carry/llm-frameworks.tar.xz)
 #   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)
-#   GROUP=qlora TOTAL_S=450 bash bench/llm_speed.sh    # Axolotl vs TRL QLoRA, OLMo-3-7B (also carry
+#   GROUP=qlora TOTAL_S=560 bash bench/llm_speed.sh    # Axolotl vs TRL QLoRA, OLMo-3-7B (also carry
 #                                                      # .device-carry/llm-frameworks.tar.xz)
 # Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
 # .device-carry/anchors (python3 bench/llm_speed.py --carry, here).

@@ -120,7 +120,8 @@ def train(opts: options.RecipeOptions) -> dict:
             "world_size": rt.get_world_size(), "precision": prec,
             "load_in_4bit": quant is not None,
             "quantization": qlora.describe(trainer.model) if quant is not None else None,
-            "parameters": architectures.count_parameters(trainer.model),
+            "parameters": (qlora.unpacked_parameters(trainer.model) if quant is not None
+                           else architectures.count_parameters(trainer.model)),
             "trainable_parameters": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
             "output": opts.output_path() if opts.save else None})
 

@@ -45,13 +45,19 @@ SPEED_WHY = {
                       "measured on a GPU (Params4bit + MatMul4Bit in every projection); eager "
                       "until it is (-x compile=true forces it)",
     "torch_compile": "4-bit base: not compiling (compile_layers says why)",
+    # Liger's RMSNorm/RoPE/SwiGLU kernels act on activations only, and its SwiGLU forward still
+    # calls the module's own gate/up/down projections (here peft's bnb Linear4bit), so by the
+    # code it applies over a 4-bit base. But Liger's patches over peft's bnb wrappers (and over
+    # Olmo3, the bench's QLoRA model) have never run on a GPU here: off until measured, which
+    # also keeps the TRL row comparable with Axolotl's (no Liger plugin in its config).
+    "use_liger_kernel": "4-bit base: Liger over peft's bnb Linear4bit is not yet measured on a "
+                        "GPU (by the code it applies: its kernels act on activations); off until "
+                        "it is (-x liger=true forces it)",
 }
-# What still applies, unchanged: Liger's RMSNorm/RoPE/SwiGLU kernels act on activations only;
-# its SwiGLU forward still calls the module's own gate/up/down projections (here peft's bnb
-# Linear4bit), so it is decided as for a bf16 base (on a GPU, when not compiling). Fused AdamW
-# steps only the adapters. Attention (SDPA/FlashAttention) never touches the linear weights. The
-# planner's gradient-checkpointing estimate counts the base at bf16: for a 4-bit base it may
-# turn checkpointing on where 4 bits would fit (safe: slower, never out of memory).
+# What still applies, unchanged: fused AdamW steps only the adapters. Attention (SDPA or
+# FlashAttention) never touches the linear weights. The planner's gradient-checkpointing
+# estimate counts the base at bf16: for a 4-bit base it may turn checkpointing on where 4 bits
+# would fit (safe: slower, never out of memory).
 
 
 def require_bitsandbytes() -> str:
@@ -106,6 +112,17 @@ def quantize_random_base(model, quant, device):
         device_map={"": device})
 
 
+def unpacked_parameters(model) -> int:
+    """Parameters as the model defines them: a 4-bit weight holds two values a byte (its
+    ``numel`` is half the matrix); its QuantState keeps the real shape."""
+    import math
+    n = 0
+    for p in model.parameters():
+        state = getattr(p, "quant_state", None)
+        n += math.prod(state.shape) if state is not None else p.numel()
+    return n
+
+
 def describe(model) -> dict:
     """What the result records: the 4-bit layers really there (counted, not configured)."""
     import bitsandbytes as bnb
@@ -113,6 +130,7 @@ def describe(model) -> dict:
     q = getattr(getattr(model, "config", None), "quantization_config", None)
     q = q.to_dict() if hasattr(q, "to_dict") else (q or {})
     return {"linear4bit_modules": n, "bitsandbytes": bnb.__version__,
+            "parameters": unpacked_parameters(model),
             "quant_type": q.get("bnb_4bit_quant_type"),
             "double_quant": q.get("bnb_4bit_use_double_quant"),
             "compute_dtype": str(q.get("bnb_4bit_compute_dtype"))}

@@ -62,8 +62,8 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
              adapted_experts: bool = False, quantized: bool = False):
     """gpulaunch.hf.speed_settings for this run, or None with ``--speed off``.
     ``adapted_experts``: LoRA also adapts the MoE expert parameters. ``quantized``: the base is
-    bitsandbytes 4-bit (QLoRA): compiled layers and fused LoRA stay off unless asked for
-    (``llm_common.qlora.SPEED_WHY`` says why); Liger is then decided as for any eager run."""
+    bitsandbytes 4-bit (QLoRA): compiled layers, Liger and fused LoRA stay off unless asked
+    for (``llm_common.qlora.SPEED_WHY`` says why)."""
     if opts.speed not in MODES:
         raise SystemExit(f"--speed {opts.speed!r}: use one of {', '.join(MODES)}")
     if opts.speed == "off":
@@ -72,18 +72,22 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
     ckpt = opts.gradient_checkpointing if "gradient_checkpointing" in opts.given else None
     compile_choice = opts.extra.get("compile")
     gpu = getattr(device, "type", str(device)) == "cuda"
-    if quantized and gpu and compile_choice is None:    # on CPU nothing compiles anyway
-        compile_choice = False
+    liger_choice = opts.extra.get("liger")
+    if quantized and gpu:              # on CPU neither compiling nor Liger is chosen anyway
+        compile_choice = False if compile_choice is None else compile_choice
+        liger_choice = False if liger_choice is None else liger_choice
     s = speed_settings(config, device=device, technique=technique, seq_len=opts.seq_len,
                        micro_batch_size=opts.batch_size, lora_rank=opts.lora_r if lora else None,
                        world_size=world_size, packed=opts.packed,
-                       compile=compile_choice, liger=opts.extra.get("liger"),
+                       compile=compile_choice, liger=liger_choice,
                        gradient_checkpointing=ckpt, adapted_experts=adapted_experts)
     if quantized:
         from .qlora import SPEED_WHY
         if gpu and "compile" not in opts.extra:
             s.reasons["compile_layers"] = SPEED_WHY["compile_layers"]
             s.reasons["torch_compile"] = SPEED_WHY["torch_compile"]
+        if gpu and "liger" not in opts.extra:
+            s.reasons["use_liger_kernel"] = SPEED_WHY["use_liger_kernel"]
         if "fused_lora" not in opts.extra:
             s.fuse_lora = False
             s.reasons["fuse_lora"] = SPEED_WHY["fuse_lora"]

@@ -28,7 +28,7 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "27 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "28 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
@@ -41,12 +41,13 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     # qlora: Axolotl's recipe and the TRL QLoRA mode on one model, shape and adapter
     q = {line.split()[1]: next_line for line, next_line in
          zip(p.stdout.splitlines(), p.stdout.splitlines()[1:]) if line.startswith("[qlora]")}
-    assert list(q) == ["axolotl_qlora", "trl_qlora", "trl_qlora_compiled"]
+    assert list(q) == ["axolotl_qlora", "trl_qlora", "trl_qlora_liger", "trl_qlora_compiled"]
     shape = q["axolotl_qlora"].split("axolotl_qlora_ddp.py ")[1].split(" --results")[0]
     assert "--arch olmo-3-7b --full" in shape and "--lora-r 32" in shape
     assert "-x token_counter=batches" in shape and "--no-gradient-checkpointing" in shape
     assert f"trl_sft_lora_ddp.py {shape} --load-in-4bit -x save=false --results" in q["trl_qlora"]
     assert "--load-in-4bit -x save=false -x compile=true" in q["trl_qlora_compiled"]
+    assert "--load-in-4bit -x save=false -x liger=true" in q["trl_qlora_liger"]
 
 
 @pytest.mark.unit

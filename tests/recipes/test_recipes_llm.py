@@ -199,6 +199,8 @@ def test_trl_qlora_trains_a_4bit_base_on_cpu_saves_and_reloads(tmp_path):
     assert q["linear4bit_modules"] == 4 * 7          # tiny OLMo-3: 4 layers x 7 projections
     assert (q["quant_type"], q["double_quant"], q["compute_dtype"]) == ("nf4", True, "float32")
     assert r["fused_lora"] is None and r["speed"]["fuse_lora"]["value"] is False
+    # parameters as defined (a 4-bit weight's numel is half its matrix): above the trainable
+    assert r["parameters"] == q["parameters"] > r["trainable_parameters"] > 0
     assert r["eval_loss_after"] < 0.85 * r["eval_loss_before"], r["eval_losses"]
     assert (tmp_path / "out" / "base_model" / "model.safetensors").exists()
     assert "generated:" in proc.stdout
