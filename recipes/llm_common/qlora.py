@@ -38,9 +38,11 @@ SPEED_WHY = {
                  "forward cannot use (fuse_lora fuses lora.Linear over nn.Linear only)",
     # Compiling the decoder layers has run on a GPU only over bf16 weights. Over Linear4bit,
     # Dynamo has to trace bitsandbytes' Params4bit (a Parameter subclass carrying a Python
-    # QuantState) and its MatMul4Bit autograd function in every projection: unmeasured on a
-    # GPU, so the safe choice (eager layers) until a run shows it compiles without graph breaks
-    # and pays (bench/llm_speed.py --group qlora measures -x compile=true beside it).
+    # QuantState) and its MatMul4Bit autograd function in every projection. It does so here on
+    # CPU in one graph, forward and backward (torch 2.14, bitsandbytes 0.50.2:
+    # tests/recipes/test_qlora_settings.py), but whether inductor's code pays on a GPU (whose
+    # image has torch 2.11) is unmeasured: eager layers, the safe choice, until
+    # bench/llm_speed.py --group qlora measures -x compile=true beside it.
     "compile_layers": "4-bit base: compiling layers of bitsandbytes Linear4bit is not yet "
                       "measured on a GPU (Params4bit + MatMul4Bit in every projection); eager "
                       "until it is (-x compile=true forces it)",

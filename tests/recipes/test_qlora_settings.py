@@ -108,3 +108,42 @@ def test_refusals_name_the_fix(monkeypatch, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(LlamaConfig().to_dict()))
     qlora.refuse_prequantized(str(tmp_path))                   # a bf16 checkpoint: fine
     qlora.refuse_prequantized(None)                            # a random base: fine
+
+
+def test_a_lora_linear4bit_traces_in_one_graph_forward_and_backward():
+    """What the compiled-layers choice over 4 bits rests on (kept off until a GPU measures its
+    speed): Dynamo traces peft's LoRA over a bitsandbytes Linear4bit, in training, forward and
+    backward, without a graph break (Params4bit and MatMul4Bit included)."""
+    bnb = pytest.importorskip("bitsandbytes")
+    from peft import LoraConfig, get_peft_model
+    from torch import nn
+
+    def linear4bit(n_in, n_out):
+        layer = bnb.nn.Linear4bit(n_in, n_out, bias=False, compute_dtype=torch.float32,
+                                  quant_type="nf4", compress_statistics=True)
+        layer.weight = bnb.nn.Params4bit(torch.randn(n_out, n_in) * 0.05, requires_grad=False,
+                                         quant_type="nf4", compress_statistics=True)
+        return layer.to("cpu")            # quantizes (bitsandbytes 0.50.2 does it on CPU)
+
+    class MLP(nn.Module):
+        is_loaded_in_4bit = True          # what from_pretrained sets; peft's bnb dispatch reads it
+
+        def __init__(self):
+            super().__init__()
+            self.up, self.down = linear4bit(64, 128), linear4bit(128, 64)
+
+        def forward(self, x):
+            return self.down(torch.nn.functional.silu(self.up(x)))
+
+    torch.manual_seed(0)
+    model = get_peft_model(MLP(), LoraConfig(r=8, target_modules=["up", "down"])).base_model.model
+    model.train()
+    assert type(model.up).__module__ == "peft.tuners.lora.bnb"
+    x = torch.randn(4, 64, requires_grad=True)
+    explained = torch._dynamo.explain(model.forward)(x)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+    compiled = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    y = compiled(x)
+    y.sum().backward()
+    assert torch.allclose(y, model(x), atol=1e-5)
+    assert model.up.lora_B["default"].weight.grad is not None and x.grad is not None
