@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import re
 
 MODES = ("auto", "off")
@@ -96,6 +97,9 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
         s.reasons["fuse_lora"] = "asked for"
     if s.trainer_args.get("torch_compile") or s.compile_layers:
         _watch_recompile_limit()
+    if os.environ.get("RANK", "0") == "0":
+        for note in s.notes:          # e.g. ZeRO-3 on one GPU: DDP is the faster choice
+            print(f"speed: {note}", flush=True)
     return s
 
 
@@ -133,6 +137,8 @@ def summary(s) -> dict | None:
     values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora,
               "compile_layers": s.compile_layers}
     out = {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}
+    if s.notes:
+        out["notes"] = {"value": list(s.notes), "why": "advice beyond these settings"}
     if (s.trainer_args.get("torch_compile") or s.compile_layers) and _HITS is not None:
         out["recompile_limit_hits"] = {
             "value": list(_HITS.functions),

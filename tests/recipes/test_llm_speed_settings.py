@@ -198,3 +198,17 @@ def test_recipe_speed_modes():
     with pytest.raises(SystemExit, match="--speed"):
         speed.settings(options.parse(defaults, argv=["--speed", "max"]), torch.device("cpu"),
                        technique="ddp", config=cfg, lora=True, world_size=1)
+
+
+def test_one_process_under_zero3_or_fsdp2_is_told_to_use_ddp_when_it_fits(as_if_gpu):
+    z = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", micro_batch_size=4, **as_if_gpu)
+    assert len(z.notes) == 1 and "zero3 shards nothing" in z.notes[0]
+    assert "technique='ddp' is the faster choice" in z.notes[0] and "note: one process" in str(z)
+    # a GPU too small for DDP's full copy of weights, gradients and AdamW state: keep sharding
+    small = dict(as_if_gpu, gpu_memory_bytes=8 * 2**30)
+    tight = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", **small)
+    assert "over this GPU), so keep fsdp2" in tight.notes[0]
+    # several processes shard: no note; DDP: no note
+    assert speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", world_size=8,
+                          **as_if_gpu).notes == []
+    assert speed_settings(LlamaConfig(**LLAMA_1B), technique="ddp", **as_if_gpu).notes == []

@@ -76,12 +76,14 @@ class SpeedSettings:
     fuse_lora: bool
     reasons: dict = field(default_factory=dict)   # setting -> why
     compile_layers: bool = False     # gpulaunch.hf.compile_layers(trainer.model) before train()
+    notes: list = field(default_factory=list)     # advice beyond these fields (the technique)
 
     def __str__(self) -> str:
         rows = [*self.trainer_args.items(), *self.model_kwargs.items(),
                 ("fuse_lora", self.fuse_lora), ("compile_layers", self.compile_layers)]
         width = max(len(k) for k, _ in rows)
-        return "\n".join(f"{k:<{width}}  {v!r:<22} {self.reasons.get(k, '')}" for k, v in rows)
+        return "\n".join([f"{k:<{width}}  {v!r:<22} {self.reasons.get(k, '')}" for k, v in rows]
+                         + [f"note: {n}" for n in self.notes])
 
 
 def _installed(module: str) -> bool:
@@ -267,4 +269,25 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
     why["gradient_checkpointing"] = reason
     fuse = lora_rank is not None
     why["fuse_lora"] = ("peft's adapters in the base matmul (exact)" if fuse else "not LoRA")
-    return SpeedSettings(args, model_kwargs, fuse, why, compile_layers=layers)
+    notes = []
+    if gpu and world_size == 1 and technique in ("zero3", "fsdp2", "fsdp") and cfg is not None:
+        notes.append(_one_process_note(cfg, technique, seq_len=seq_len, lora_rank=lora_rank,
+                                       micro_batch_size=micro_batch_size,
+                                       gpu_memory_bytes=gpu_memory_bytes))
+    return SpeedSettings(args, model_kwargs, fuse, why, compile_layers=layers, notes=notes)
+
+
+def _one_process_note(cfg: dict, technique: str, **kw) -> str:
+    """One process shards nothing: ZeRO-3 and FSDP only add their hooks (and ZeRO-3's keep the
+    layers from compiling). Say so, with the planner's word on whether plain DDP fits."""
+    from ..planner import plan
+    from ..planner.hf_config import from_dict
+    ddp = plan(from_dict(cfg), strategies=["ddp"], gpus_per_node=1, **kw).estimates[0]
+    gib = 2 ** 30
+    fits = (f"the planner puts DDP at {ddp.peak_device / gib:.1f} GiB of "
+            f"{(ddp.peak_device + ddp.headroom) / gib:.0f} GiB, so technique='ddp' is the faster "
+            "choice here" if ddp.fits else
+            f"DDP would need {ddp.peak_device / gib:.1f} GiB (over this GPU), so keep {technique}")
+    return (f"one process: {technique} shards nothing and only adds its hooks"
+            + (" (which also keep the decoder layers from compiling)" if technique == "zero3"
+               else "") + f"; {fits}")

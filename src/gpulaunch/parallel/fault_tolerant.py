@@ -89,10 +89,7 @@ class FaultTolerantPrepared(TorchPrepared):
         return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
 
     def step(self):
-        if self.optimizer is None:
-            raise ParallelError("prepare() was called without an optimizer; pass optimizer= to train")
-        self._micro += 1
-        if self._micro % self.gradient_accumulation_steps:
+        if not self._count_micro_step():
             return False
         self._open()
         if self.max_grad_norm:

@@ -117,11 +117,16 @@ class TorchPrepared(Prepared):
         return torch.nn.utils.clip_grad_norm_(params, self.max_grad_norm)
 
 
-    def step(self):
+    def _count_micro_step(self) -> bool:
+        """Count one micro-batch; True when it ends an accumulation window (the optimizer steps
+        now). Shared with the torchft variant (``fault_tolerant.py``)."""
         if self.optimizer is None:
             raise ParallelError("prepare() was called without an optimizer; pass optimizer= to train")
         self._micro += 1
-        if self._micro % self.gradient_accumulation_steps:
+        return self._micro % self.gradient_accumulation_steps == 0
+
+    def step(self):
+        if not self._count_micro_step():
             return False
         if self.scaler is not None:
             if self.max_grad_norm:
