@@ -57,8 +57,10 @@ def add_arguments(p) -> None:
     def add(name, *short, **kw):
         g.add_argument(*short, *_dual(name), dest=f"tr_{name}", default=S, **kw)
 
-    add("rdzv_conf", metavar="K=V,...", help="join_timeout=S sets --start-timeout; torchrun's "
-        "other rendezvous timeouts are accepted and have no effect")
+    add("rdzv_conf", metavar="K=V,...", help="join_timeout=S sets --start-timeout; with "
+        "--nnodes MIN:MAX, last_call_timeout, keep_alive_interval and keep_alive_max_attempt "
+        "tune the dynamic rendezvous as in torchrun; its other timeouts are accepted and have "
+        "no effect")
     add("monitor_interval", type=float, metavar="S", help="accepted: gpulaunch's agent checks "
         "its ranks every 0.05 s")
     add("start_method", choices=["spawn", "fork", "forkserver"], help="fork (default: ranks "
