@@ -36,9 +36,11 @@ SCRIPT = textwrap.dedent("""
         done = os.path.exists(os.path.join(out, "DONE")) and world == 2
         t = torch.tensor([1.0, float(done)])
         dist.all_reduce(t)
+        env = {k: os.environ.get(k) for k in ("GROUP_RANK", "NODE_RANK", "ROLE_WORLD_SIZE",
+               "LOCAL_RANK", "MASTER_ADDR", "TORCHELASTIC_RESTART_COUNT",
+               "TORCHELASTIC_MAX_RESTARTS")}
         line = dict(step=step, world=int(os.environ["WORLD_SIZE"]), sum=t[0].item(),
-                    rank=rank, node=os.environ["GROUP_RANK"], first=first,
-                    restart=os.environ["TORCHELASTIC_RESTART_COUNT"], pid=os.getpid())
+                    rank=rank, first=first, pid=os.getpid(), env=env)
         print("STEP " + json.dumps(line), flush=True)
         if rank == 0:
             with open(ckpt + ".tmp", "w") as f:
@@ -164,6 +166,16 @@ def test_lost_node_then_new_node(tmp_path):
     assert worlds[-1] == 2 and [2, 1, 2] == [w for i, w in enumerate(worlds[n_before - 1:])
                                             if i == 0 or w != worlds[n_before - 2 + i]], worlds
     assert all(s["sum"] == s["world"] for s in steps_a + c.steps())
+    # torchrun's variables follow each round: the node rank comes from the rendezvous
+    for s in steps_a + c.steps():
+        env = s["env"]
+        assert env["NODE_RANK"] == env["GROUP_RANK"] == str(s["rank"]), s
+        assert env["ROLE_WORLD_SIZE"] == str(s["world"]) and env["LOCAL_RANK"] == "0", s
+        assert env["MASTER_ADDR"] == "127.0.0.1", s
+    last = steps_a[-1]["env"]        # a join spends no restart: 3 - 1 failure left
+    assert int(last["TORCHELASTIC_MAX_RESTARTS"]) - int(last["TORCHELASTIC_RESTART_COUNT"]) \
+        == 2, last
+    assert {steps_a[-1]["env"]["GROUP_RANK"], c.steps()[-1]["env"]["GROUP_RANK"]} == {"0", "1"}
     # the step never went back past the checkpoint: each restart resumes after the last step
     # checkpointed (at most the one step in flight is done again)
     by_pid: dict[int, list[int]] = {}
@@ -218,3 +230,32 @@ def test_cli_refuses_node_rank_with_a_range_before_anything_starts(tmp_path):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 2 and "drop --node-rank 1" in p.stderr, p.stderr
     assert not (tmp_path / "runs").exists()
+
+
+def test_losing_the_node_that_hosts_the_rendezvous_ends_the_others_clearly(tmp_path):
+    """As with torchrun's c10d rendezvous, the first node on the endpoint's host hosts its
+    store: when that node dies the job cannot go on; the other node ends, saying why, and
+    leaves no process behind."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / "out"
+    out.mkdir()
+    port = _free_port()
+    nodes = []
+    try:
+        a = Node(tmp_path, "a", port, script, out)
+        nodes.append(a)
+        _wait("node a to host the rendezvous", lambda: _listening(port), nodes)
+        b = Node(tmp_path, "b", port, script, out)
+        nodes.append(b)
+        _wait("node b at WORLD_SIZE=2", lambda: any(s["world"] == 2 for s in b.steps()), nodes)
+        a.kill_everything()
+        rc = b.proc.wait(60)
+    finally:
+        for n in nodes:
+            if n.proc.poll() is None:
+                n.kill_everything()
+    text = b.text()
+    assert rc != 0, text
+    assert "elastic rendezvous at 127.0.0.1" in text and "hosting it" in text, text
+    assert_no_survivors(b.run_dir())

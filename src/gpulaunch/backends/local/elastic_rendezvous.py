@@ -24,6 +24,7 @@ import socket
 
 from torch.distributed import TCPStore
 from torch.distributed.elastic.rendezvous import (
+    RendezvousClosedError,
     RendezvousHandler,
     RendezvousInfo,
     RendezvousStoreInfo,
@@ -120,9 +121,15 @@ class ElasticRendezvous(RendezvousHandler):
         os.environ["TORCH_DISABLE_SHARE_RDZV_TCP_STORE"] = "1"
         try:
             info = self.handler.next_rendezvous()
+        except RendezvousClosedError as e:
+            raise LaunchError(f"the elastic rendezvous at {self.endpoint} is closed: the job "
+                              "ended on another node (it finished, or its ranks failed past "
+                              "--max-restarts); see that node's output") from e
         except Exception as e:
-            raise LaunchError(f"the elastic rendezvous at {self.endpoint} failed: "
-                              f"{type(e).__name__}: {e}") from e
+            raise LaunchError(f"the elastic rendezvous at {self.endpoint} failed "
+                              f"({type(e).__name__}: {e}); if the node hosting it (the first "
+                              "started on that host) ended, the job cannot go on without "
+                              "it") from e
         finally:
             os.environ.pop("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", None)
         store, rank, world = info.store, info.rank, info.world_size
