@@ -233,8 +233,12 @@ def write_log_dir(args, run) -> Path | None:
         n = attempt_dir.name.removeprefix("attempt")
         out_dir = job / f"attempt_{n}"
         filtered = {s: [] for s in filters}
-        for lr in range(nproc):
-            rank = node_rank * nproc + lr
+        ranks = [node_rank * nproc + lr for lr in range(nproc)]
+        if record.placement.elastic:      # node ranks come from each round's rendezvous
+            ranks = sorted(int(m.group(1)) for m in (re.fullmatch(r"rank(\d+)\.log", f.name)
+                                                     for f in attempt_dir.iterdir()) if m)
+        for rank in ranks:
+            lr = rank % nproc
             src = attempt_dir / f"rank{rank}.log"
             if not src.exists():
                 continue

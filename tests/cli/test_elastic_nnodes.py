@@ -71,7 +71,8 @@ class Node:
         env = python_env({"GPULAUNCH_HOME": str(self.home), "GPULAUNCH_QUIET": ""})
         argv = [PY, "-m", "gpulaunch.cli", "run", "--nnodes", "1:2", "--nproc-per-node", "1",
                 "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-conf", CONF,
-                "--max-restarts", "3", "--no-tracking", str(script), str(out)]
+                "--max-restarts", "3", "--no-tracking", "--log-dir", str(tmp_path / "logs"),
+                str(script), str(out)]
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(argv, env=env, stdout=f, stderr=subprocess.STDOUT)
 
@@ -110,7 +111,7 @@ def _listening(port: int) -> bool:
         return False
 
 
-def _wait(what, cond, nodes, timeout=40.0):
+def _wait(what, cond, nodes, timeout=60.0):   # generous: the CI shares the 2 cores
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if cond():
@@ -153,7 +154,7 @@ def test_lost_node_then_new_node(tmp_path):
             s["world"] == 2 for s in a.steps()[n_alone:]) and any(
             s["world"] == 2 for s in c.steps()), nodes)
         (out / "DONE").write_text("")
-        rc_a, rc_c = a.proc.wait(40), c.proc.wait(40)
+        rc_a, rc_c = a.proc.wait(60), c.proc.wait(60)
         assert (rc_a, rc_c) == (0, 0), a.text() + c.text()
     finally:
         for n in nodes:
@@ -195,8 +196,32 @@ def test_lost_node_then_new_node(tmp_path):
     assert [h["world_size"] for h in hist] == [2, 1], hist     # failed at 2, resized at 1
     assert [h["membership"] for h in hist] == [False, True], hist
     assert hist[0]["failures"], hist
+    # --log-dir: torchrun's layout, this node's ranks by local rank, whatever their global rank
+    (job,) = [d for d in (tmp_path / "logs").iterdir() if str(d) in text]
+    attempts = sorted(job.iterdir())
+    assert len(attempts) == status["attempt"] + 1, attempts
+    assert all("STEP" in (d / "0" / "stdout.log").read_text() for d in attempts)
     for n in nodes:
         assert_no_survivors(n.run_dir())
+
+
+def test_placement_takes_torchruns_rendezvous_timings(capsys):
+    from gpulaunch import cli, cli_nodes, cli_torchrun, options
+    from gpulaunch.tracking import Tracking
+    args = cli.build_parser().parse_args([
+        "run", "--nnodes", "1:3", "--rdzv-endpoint", "127.0.0.1:29400", "--rdzv-id", "j",
+        "--rdzv-conf", "last_call_timeout=2,keep_alive_interval=1.5,keep_alive_max_attempt=4",
+        "x.py"])
+    cli_torchrun.apply(args, options.from_cli(args, tracking=Tracking(enabled=False)))
+    p = cli_nodes.placement(args)
+    assert (p.elastic, p.min_nodes, p.nnodes, p.master_addr, p.master_port, p.rdzv_id) == \
+        (True, 1, 3, "127.0.0.1", 29400, "gpulaunch-j")
+    assert (p.last_call_timeout, p.keep_alive_interval, p.keep_alive_max_attempt) == (2, 1.5, 4)
+    assert not p.stop_on_peer_failure
+    assert "elastic, 1 to 3 nodes" in capsys.readouterr().err
+    args.tr_rdzv_conf = "keep_alive_max_attempt=0"
+    with pytest.raises(ConfigurationError, match="must be > 0"):
+        cli_nodes.placement(args)
 
 
 @pytest.mark.parametrize("flags, message", [
