@@ -5,7 +5,8 @@ torchrun: the worker environment contract, whole-group restarts, SIGTERM-then-SI
 shutdown, error files; its private parts are in ``elastic_compat``), configured by the launch
 record in the run directory, plus what torchrun lacks:
 
-* a rendezvous store bound to loopback on a single host (``rendezvous.py``);
+* a rendezvous store bound to loopback on a single host (``rendezvous.py``); with
+  ``--nnodes MIN:MAX``, torch's dynamic rendezvous instead (``elastic_rendezvous.py``);
 * caller-death detection: the caller holds our stdin pipe; EOF means it died (even by SIGKILL),
   and we stop every rank;
 * the hang watchdog's teardown: when a rank reports itself stuck, every local rank dumps its
