@@ -244,7 +244,8 @@ def test_range_and_fixed_count():
     assert "elastic, 1 to 4 nodes" in c.describe()
     fixed = cluster_env.detect({}, nnodes="2:2", node_rank=1, master_addr="h")
     assert (fixed.elastic, fixed.nnodes, fixed.node_rank) == (False, 2, 1)
-    pet = cluster_env.detect({"PET_NNODES": "2:3", "PET_RDZV_ENDPOINT": "h:5"})
+    pet = cluster_env.detect({"PET_NNODES": "2:3", "PET_RDZV_ENDPOINT": "h:5",
+                              "PET_NODE_RANK": "0"})
     assert (pet.elastic, pet.min_nodes, pet.nnodes) == (True, 2, 3)
 
 

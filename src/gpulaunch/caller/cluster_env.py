@@ -208,7 +208,7 @@ def _from_flags(nodes: tuple[int, int], node_rank, master_addr, master_port, end
 def _elastic(low, high, node_rank, master_addr, master_port, rdzv_id, source) -> ClusterEnv:
     """``--nnodes MIN:MAX``: every node runs the same command; torch's dynamic rendezvous at
     the endpoint admits MIN to MAX nodes and numbers them at each round."""
-    if node_rank is not None:
+    if node_rank is not None and source == "flags":    # (an operator's PET_NODE_RANK: unused)
         raise ConfigurationError(
             f"--nnodes {low}:{high} assigns node ranks at the rendezvous (they change as nodes "
             f"come and go): drop --node-rank {node_rank}, every node runs the same command")
