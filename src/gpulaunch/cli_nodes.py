@@ -24,7 +24,9 @@ def add_arguments(p) -> None:
     g = p.add_argument_group("several nodes (torchrun's flags; under Slurm or a Kubernetes "
                              "PyTorchJob they are read from the environment)")
     g.add_argument("--nnodes", default=None, help="number of nodes, each running this command "
-                   "(default: 1, or what Slurm / the PyTorchJob environment says)")
+                   "(default: 1, or what Slurm / the PyTorchJob environment says); MIN:MAX: "
+                   "elastic, the job goes on with MIN to MAX nodes as nodes are lost or join "
+                   "(needs --rdzv-endpoint; node ranks come from the rendezvous)")
     g.add_argument("--node-rank", "--node_rank", type=int, default=None, help="this node's index, 0..nnodes-1")
     g.add_argument("--master-addr", "--master_addr", default=None, help="node 0's address (the same everywhere)")
     g.add_argument("--master-port", "--master_port", type=int, default=None, help="node 0's rendezvous port "
@@ -33,8 +35,9 @@ def add_arguments(p) -> None:
                    "and --master-port")
     g.add_argument("--rdzv-id", "--rdzv_id", default=None, help="job id, the same on every node (Slurm: "
                    "SLURM_JOB_ID)")
-    g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, help="c10d or static (gpulaunch "
-                   "always runs its own static rendezvous on node 0); etcd is refused")
+    g.add_argument("--rdzv-backend", "--rdzv_backend", default=None, help="c10d or static: a fixed "
+                   "--nnodes runs gpulaunch's own static rendezvous on node 0, --nnodes MIN:MAX "
+                   "torch's c10d dynamic rendezvous; etcd is refused")
     g.add_argument("--listen-addr", default=None, help="address node 0's store listens on "
                    "(default: this host's address on the route to the master; 0.0.0.0 only "
                    "if you give it)")
@@ -48,6 +51,8 @@ def placement(args):
     c = cluster_env.detect(os.environ, nnodes=args.nnodes, node_rank=args.node_rank,
                            master_addr=args.master_addr, master_port=args.master_port,
                            rdzv_endpoint=args.rdzv_endpoint, rdzv_id=args.rdzv_id)
+    if c.elastic:
+        return _elastic_placement(args, c)
     if not c.multi_node:
         if c.rdzv_id == "none":
             return None
@@ -58,14 +63,7 @@ def placement(args):
         return NodePlacement(rdzv_id=f"gpulaunch-{c.rdzv_id}")
     local_ip = netroute.local_ip_towards(c.master_addr, c.master_port)
     bind = args.listen_addr or local_ip
-    ifname = netroute.interface_of(local_ip)
-    chosen = []
-    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-        if var in os.environ:
-            chosen.append(f"{var}={os.environ[var]} (yours)")
-        elif ifname:
-            os.environ[var] = ifname
-            chosen.append(f"{var}={ifname}")
+    chosen = _collectives_interface(local_ip)
     if c.node_rank == 0 and netroute.resolve(c.master_addr).startswith("127.") and \
             not c.master_addr.startswith("127.") and c.master_addr != "localhost":
         print(f"gpulaunch: warning: the master address {c.master_addr} resolves to a loopback "
@@ -77,6 +75,56 @@ def placement(args):
     return NodePlacement(node_rank=c.node_rank, nnodes=c.nnodes, bind_host=bind,
                          master_addr=c.master_addr, master_port=c.master_port,
                          rdzv_id=f"gpulaunch-{c.rdzv_id}", stop_on_peer_failure=True)
+
+
+# torchrun's --rdzv-conf keys that tune its dynamic rendezvous (--nnodes MIN:MAX)
+_ELASTIC_CONF = {"last_call_timeout": float, "keep_alive_interval": float,
+                 "keep_alive_max_attempt": int}
+
+
+def _elastic_placement(args, c):
+    """``--nnodes MIN:MAX``: torch's dynamic rendezvous (c10d backend) at the endpoint; the
+    node that starts first on the endpoint's host hosts its store, as torchrun's does."""
+    from .caller import netroute
+    from .common.records import NodePlacement
+    if getattr(args, "rdzv_backend", None) == "static":
+        raise errors.ConfigurationError(
+            f"--rdzv-backend static needs a fixed --nnodes; --nnodes {c.min_nodes}:{c.nnodes} "
+            "runs torch's c10d dynamic rendezvous (--rdzv-backend c10d, or leave it out)")
+    local_ip = netroute.local_ip_towards(c.master_addr, c.master_port)
+    chosen = _collectives_interface(local_ip)
+    conf = {}
+    for item in filter(None, (x.strip() for x in (getattr(args, "tr_rdzv_conf", None)
+                                                  or "").split(","))):
+        key, _, value = item.partition("=")
+        if key in _ELASTIC_CONF:
+            try:
+                conf[key] = _ELASTIC_CONF[key](value)
+            except ValueError:
+                raise errors.ConfigurationError(f"--rdzv-conf {key}={value!r}: give a "
+                                                "number") from None
+            if conf[key] <= 0:
+                raise errors.ConfigurationError(f"--rdzv-conf {key}={value}: must be > 0")
+    print(f"gpulaunch: {c.describe()}; this host reaches it from {local_ip}; "
+          f"{', '.join(chosen) or 'collectives pick their interface'}", file=sys.stderr)
+    return NodePlacement(nnodes=c.nnodes, min_nodes=c.min_nodes,
+                         bind_host=args.listen_addr or local_ip, master_addr=c.master_addr,
+                         master_port=c.master_port, rdzv_id=f"gpulaunch-{c.rdzv_id}", **conf)
+
+
+def _collectives_interface(local_ip: str) -> list[str]:
+    """GLOO_SOCKET_IFNAME / NCCL_SOCKET_IFNAME: the interface of the route to the master,
+    unless set; what was chosen, in words."""
+    from .caller import netroute
+    ifname = netroute.interface_of(local_ip)
+    chosen = []
+    for var in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
+        if var in os.environ:
+            chosen.append(f"{var}={os.environ[var]} (yours)")
+        elif ifname:
+            os.environ[var] = ifname
+            chosen.append(f"{var}={ifname}")
+    return chosen
 
 
 def on_ray(args, opts, entry: Entry, placement):

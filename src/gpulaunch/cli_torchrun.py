@@ -57,8 +57,10 @@ def add_arguments(p) -> None:
     def add(name, *short, **kw):
         g.add_argument(*short, *_dual(name), dest=f"tr_{name}", default=S, **kw)
 
-    add("rdzv_conf", metavar="K=V,...", help="join_timeout=S sets --start-timeout; torchrun's "
-        "other rendezvous timeouts are accepted and have no effect")
+    add("rdzv_conf", metavar="K=V,...", help="join_timeout=S sets --start-timeout; with "
+        "--nnodes MIN:MAX, last_call_timeout, keep_alive_interval and keep_alive_max_attempt "
+        "tune the dynamic rendezvous as in torchrun; its other timeouts are accepted and have "
+        "no effect")
     add("monitor_interval", type=float, metavar="S", help="accepted: gpulaunch's agent checks "
         "its ranks every 0.05 s")
     add("start_method", choices=["spawn", "fork", "forkserver"], help="fork (default: ranks "
@@ -231,8 +233,12 @@ def write_log_dir(args, run) -> Path | None:
         n = attempt_dir.name.removeprefix("attempt")
         out_dir = job / f"attempt_{n}"
         filtered = {s: [] for s in filters}
-        for lr in range(nproc):
-            rank = node_rank * nproc + lr
+        ranks = [node_rank * nproc + lr for lr in range(nproc)]
+        if record.placement.elastic:      # node ranks come from each round's rendezvous
+            ranks = sorted(int(m.group(1)) for m in (re.fullmatch(r"rank(\d+)\.log", f.name)
+                                                     for f in attempt_dir.iterdir()) if m)
+        for rank in ranks:
+            lr = rank % nproc
             src = attempt_dir / f"rank{rank}.log"
             if not src.exists():
                 continue

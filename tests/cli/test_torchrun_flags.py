@@ -97,7 +97,9 @@ def test_mapped_flags_change_the_settings(monkeypatch):
 @pytest.mark.parametrize("argv,why", [
     (["--rdzv-backend", "etcd"], "own static rendezvous"),
     (["--start-method", "forkserver"], "forkserver is not supported"),
-    (["--nnodes", "1:4"], "elastic node ranges"),
+    (["--nnodes", "1:4"], "needs the rendezvous endpoint"),
+    (["--nnodes", "1:4", "--rdzv-endpoint", "h:1", "--rdzv-backend", "static"],
+     "needs a fixed --nnodes"),
     (["--redirects", "5"], "give 0, 1, 2 or 3"),
     (["--signals-to-handle", "SIGUSR1"], "stack-dump signal"),
     (["--event-log-handler", "console"], "torchelastic events"),

@@ -37,12 +37,23 @@ class ClusterEnv:
     master_port: int = DEFAULT_MASTER_PORT
     rdzv_id: str = "none"             # torchrun's default
     source: str = "single node"
+    # ``--nnodes MIN:MAX`` (MIN < MAX): an elastic job of MIN to ``nnodes`` nodes, node ranks
+    # assigned by the rendezvous at each round (``node_rank`` is then meaningless); 0: fixed
+    min_nodes: int = 0
 
     @property
     def multi_node(self) -> bool:
         return self.nnodes > 1
 
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
+
     def describe(self) -> str:
+        if self.elastic:
+            return (f"elastic, {self.min_nodes} to {self.nnodes} nodes (node ranks from the "
+                    f"rendezvous), rendezvous {self.master_addr}:{self.master_port}, id "
+                    f"{self.rdzv_id!r} (from {self.source})")
         return (f"node {self.node_rank} of {self.nnodes}, master {self.master_addr}:"
                 f"{self.master_port}, rendezvous id {self.rdzv_id!r} (from {self.source})")
 
@@ -111,21 +122,29 @@ def split_endpoint(endpoint: str, default_port: int = DEFAULT_MASTER_PORT) -> tu
     return host, int(port)
 
 
-def parse_nnodes(value) -> int | None:
-    """``--nnodes 2`` or torchrun's ``2:2``; elastic ranges are refused by name."""
+def parse_nnodes_range(value) -> tuple[int, int] | None:
+    """``--nnodes 2`` -> (2, 2); torchrun's ``MIN:MAX`` -> (MIN, MAX), 1 <= MIN <= MAX."""
     if value is None:
         return None
     text = str(value).strip()
     lo, sep, hi = text.partition(":")
     if not lo.isdigit() or (sep and not hi.isdigit()):
-        raise ConfigurationError(f"--nnodes {text!r}: give a number of nodes, e.g. --nnodes 2")
-    if sep and lo != hi:
-        raise ConfigurationError(f"--nnodes {text}: elastic node ranges (MIN:MAX) are not "
-                                 "supported; give a fixed count (--nnodes 2)")
-    n = int(lo)
-    if n < 1:
-        raise ConfigurationError(f"--nnodes {text}: needs at least 1 node")
-    return n
+        raise ConfigurationError(f"--nnodes {text!r}: give a number of nodes (--nnodes 2) or "
+                                 "a range MIN:MAX (--nnodes 1:4)")
+    low, high = int(lo), int(hi if sep else lo)
+    if low < 1:
+        raise ConfigurationError(f"--nnodes {text}: needs at least 1 node"
+                                 + (" (MIN:MAX with MIN >= 1, e.g. --nnodes 1:4)" if sep else ""))
+    if high < low:
+        raise ConfigurationError(f"--nnodes {text}: MIN is larger than MAX; give MIN:MAX with "
+                                 f"MIN <= MAX (--nnodes {high}:{low})")
+    return low, high
+
+
+def parse_nnodes(value) -> int | None:
+    """``--nnodes 2`` or torchrun's ``2:2``: the fixed count (a range: its MAX)."""
+    found = parse_nnodes_range(value)
+    return None if found is None else found[1]
 
 
 def _int(env: Mapping[str, str], name: str) -> int:
@@ -139,9 +158,9 @@ def detect(env: Mapping[str, str], *, nnodes=None, node_rank: int | None = None,
            master_addr: str | None = None, master_port: int | None = None,
            rdzv_endpoint: str | None = None, rdzv_id: str | None = None) -> ClusterEnv:
     """This node's place in the job (see the module docstring for the order of sources)."""
-    n = parse_nnodes(nnodes)
+    n = parse_nnodes_range(nnodes)
     if n is None and env.get("PET_NNODES"):
-        return _from_flags(parse_nnodes(env["PET_NNODES"]),
+        return _from_flags(parse_nnodes_range(env["PET_NNODES"]),
                            _int(env, "PET_NODE_RANK") if env.get("PET_NODE_RANK") else None,
                            env.get("PET_MASTER_ADDR"),
                            _int(env, "PET_MASTER_PORT") if env.get("PET_MASTER_PORT") else None,
@@ -157,11 +176,13 @@ def detect(env: Mapping[str, str], *, nnodes=None, node_rank: int | None = None,
         return _checked(ClusterEnv(world, _int(env, "RANK"), env["MASTER_ADDR"], port,
                                    rdzv_id or "none", "MASTER_ADDR/WORLD_SIZE/RANK "
                                    "(a PyTorchJob: one node per pod)"))
-    return _from_flags(n or 1, node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
+    return _from_flags(n or (1, 1), node_rank, master_addr, master_port, rdzv_endpoint, rdzv_id,
                        "flags")
 
 
-def _from_flags(n, node_rank, master_addr, master_port, endpoint, rdzv_id, source) -> ClusterEnv:
+def _from_flags(nodes: tuple[int, int], node_rank, master_addr, master_port, endpoint, rdzv_id,
+                source) -> ClusterEnv:
+    low, n = nodes
     if endpoint:
         host, port = split_endpoint(endpoint, master_port or DEFAULT_MASTER_PORT)
         if master_addr and master_addr != host:
@@ -171,6 +192,8 @@ def _from_flags(n, node_rank, master_addr, master_port, endpoint, rdzv_id, sourc
             raise ConfigurationError(f"--master-port {master_port} and --rdzv-endpoint "
                                      f"{endpoint} name different ports; give one of them")
         master_addr, master_port = host, port
+    if low < n:
+        return _elastic(low, n, node_rank, master_addr, master_port, rdzv_id, source)
     if n == 1:
         return ClusterEnv(rdzv_id=rdzv_id or "none", source=source if rdzv_id else "single node")
     if node_rank is None:
@@ -180,6 +203,22 @@ def _from_flags(n, node_rank, master_addr, master_port, endpoint, rdzv_id, sourc
                                  "on every node) or --rdzv-endpoint HOST:PORT")
     return _checked(ClusterEnv(n, node_rank, master_addr, master_port or DEFAULT_MASTER_PORT,
                                rdzv_id or "none", source))
+
+
+def _elastic(low, high, node_rank, master_addr, master_port, rdzv_id, source) -> ClusterEnv:
+    """``--nnodes MIN:MAX``: every node runs the same command; torch's dynamic rendezvous at
+    the endpoint admits MIN to MAX nodes and numbers them at each round."""
+    if node_rank is not None and source == "flags":    # (an operator's PET_NODE_RANK: unused)
+        raise ConfigurationError(
+            f"--nnodes {low}:{high} assigns node ranks at the rendezvous (they change as nodes "
+            f"come and go): drop --node-rank {node_rank}, every node runs the same command")
+    if not master_addr:
+        raise ConfigurationError(
+            f"--nnodes {low}:{high} needs the rendezvous endpoint, the same on every node: "
+            "--rdzv-endpoint HOST:PORT (or --master-addr HOST --master-port PORT); the node "
+            "started first on HOST hosts the rendezvous")
+    return _checked(ClusterEnv(high, 0, master_addr, master_port or DEFAULT_MASTER_PORT,
+                               rdzv_id or "none", source, min_nodes=low))
 
 
 def _from_slurm(env: Mapping[str, str], master_port: int | None) -> ClusterEnv:

@@ -165,6 +165,18 @@ class NodePlacement(Record):
     # ``first_attempt`` of the job, with TORCHELASTIC_RESTART_COUNT and attempt<k>/ folders
     # numbered as the job's attempt, and never restarts its ranks on its own.
     first_attempt: int = 0
+    # ``gpulaunch run --nnodes MIN:MAX`` (MIN < MAX; 0: a fixed count): torch's dynamic
+    # rendezvous at master_addr:master_port admits min_nodes to ``nnodes`` nodes, numbers them
+    # each round (``node_rank`` stays 0: only this node's file names), and restarts the ranks
+    # with the new world size when a node is lost or joins. torchrun's --rdzv-conf timings.
+    min_nodes: int = 0
+    last_call_timeout: float = 30.0
+    keep_alive_interval: float = 5.0
+    keep_alive_max_attempt: int = 3
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nnodes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +227,11 @@ class AttemptRecord(Record):
     failures: dict[int, RankExit] = dataclasses.field(default_factory=dict)
     cause: str = ""               # the attempt's root cause in words, when the caller knew it
     preempted: bool = False       # stopped for a preemption notice (max_preemptions), not failed
+    # --nnodes MIN:MAX: the attempt's world size and node count; ``membership``: its ranks were
+    # healthy and restarted for a node waiting to join (not a failure, max_restarts not spent)
+    world_size: int = 0
+    nnodes: int = 0
+    membership: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -254,6 +271,11 @@ class NodeStatus(Record):
     signal: str | None = None
     extensions: dict[str, str] = dataclasses.field(default_factory=dict)
     peer_failure: PeerFailure | None = None    # another node failed; this node's ranks stopped
+    # the current attempt's world size, node count and this node's rank in it (--nnodes
+    # MIN:MAX: from the rendezvous, changing as nodes come and go)
+    world_size: int = 0
+    nnodes: int = 0
+    group_rank: int | None = None
 
 
 @dataclasses.dataclass

@@ -5,7 +5,8 @@ torchrun: the worker environment contract, whole-group restarts, SIGTERM-then-SI
 shutdown, error files; its private parts are in ``elastic_compat``), configured by the launch
 record in the run directory, plus what torchrun lacks:
 
-* a rendezvous store bound to loopback on a single host (``rendezvous.py``);
+* a rendezvous store bound to loopback on a single host (``rendezvous.py``); with
+  ``--nnodes MIN:MAX``, torch's dynamic rendezvous instead (``elastic_rendezvous.py``);
 * caller-death detection: the caller holds our stdin pipe; EOF means it died (even by SIGKILL),
   and we stop every rank;
 * the hang watchdog's teardown: when a rank reports itself stuck, every local rank dumps its
@@ -45,12 +46,11 @@ from ...common.records import (
 )
 from ...common.rundir import RunDir, read_json
 from ...rank import worker
-from . import hang
+from . import elastic_rendezvous, hang
 from . import peers as peer_watch
 from .elastic_compat import ElasticAgent, exits_from
 from .node_hooks import NodeHooks
 from .rank_env import rank_env
-from .rendezvous import BoundStaticRendezvous
 
 log = logging.getLogger("gpulaunch.agent")
 
@@ -237,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.watch_stdin:
         threading.Thread(target=_watch_caller, args=(stop_event,), daemon=True).start()
 
-    hooks = None
+    hooks = rdzv = None
     peers: list[peer_watch.PeerWatch] = []     # gpulaunch run --nnodes: fail-stop
     try:
         record = _read_record(run)
@@ -248,10 +248,9 @@ def main(argv: list[str] | None = None) -> int:
         port = placement.master_port
         if node_rank > 0 and placement.master_port_file:
             port = _wait_for_port(Path(placement.master_port_file))
-        rdzv = BoundStaticRendezvous(
-            bind_host=placement.bind_host, port=port, connect_host=placement.master_addr,
-            node_rank=node_rank, nnodes=placement.nnodes, run_id=placement.rdzv_id or run.run_id,
-            join_timeout=spec.start_timeout)
+        rdzv = elastic_rendezvous.make(placement, node_rank=node_rank, port=port,
+                                       run_id=placement.rdzv_id or run.run_id,
+                                       join_timeout=spec.start_timeout)
         status.update(master_port=rdzv.port)
         start_method, why = choose_start_method(spec)
         status.update(start_method=start_method, start_method_reason=why)
@@ -280,7 +279,16 @@ def main(argv: list[str] | None = None) -> int:
                     peers.append(peer_watch.watch(rdzv.connect_host, rdzv.port, node_rank,
                                                   placement.nnodes, on_peer_failure))
             status.update(state=NodeState.RUNNING, attempt=attempt, pids=pids,
-                          forked_at=forked_at)
+                          forked_at=forked_at, **layout)
+
+        layout: dict = {}      # this attempt's world (--nnodes MIN:MAX: from the rendezvous)
+
+        def before_start(wg):
+            rdzv.before_starting_ranks()
+            layout.update(world_size=wg.group_world_size * spec.nproc_per_node,
+                          nnodes=wg.group_world_size, group_rank=wg.group_rank)
+            if placement.elastic:           # what Composer / Lightning read: the round's
+                os.environ["NODE_RANK"] = str(wg.group_rank)
 
         # torchelastic's loop restarts (the budget: spec.max_restarts); the history is the
         # same FailurePolicy's as the pool's and Ray's
@@ -302,16 +310,20 @@ def main(argv: list[str] | None = None) -> int:
             saved = preemption.read_saved(run.path, attempt)
             cause = (f"preempted: checkpoint of step {saved['step']} saved in "
                      f"{saved['checkpoint']}" if saved else "")
-            policy.record(attempt, cause, exits, preempted=saved is not None)
+            rec = policy.record(attempt, cause, exits, preempted=saved is not None)
+            policy.history[-1] = dataclasses.replace(
+                rec, world_size=layout.get("world_size", 0), nnodes=layout.get("nnodes", 0),
+                membership=placement.elastic and not exits and saved is None)
             if saved is not None:
                 preemption.archive_notice(run.path, attempt)
             status.update(state=NodeState.RESTARTING, history=list(policy.history))
 
         agent = ElasticAgent(wspec, logs_specs=RunDirLogs(run), start_method=start_method,
                              shutdown_grace=spec.shutdown_grace,
-                             before_start=lambda wg: rdzv.before_starting_ranks(),
+                             before_start=before_start,
                              on_started=on_started, on_restart=on_restart,
-                             first_attempt=placement.first_attempt, preempted=preempted)
+                             first_attempt=placement.first_attempt, preempted=preempted,
+                             free_membership_restarts=placement.elastic)
         if spec.hang_timeout:
             threading.Thread(target=_watch_hangs, daemon=True,
                              args=(run, agent, status, spec.device, stop_event,
@@ -334,6 +346,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(e.sigval)
     except BaseException as e:  # noqa: BLE001 - the caller must learn why
         stop_event.set()
+        _close_elastic(rdzv)
         run.drop_payload()
         if hooks is not None:
             hooks.stop()
@@ -342,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
         traceback.print_exc()
         return 2
     stop_event.set()
+    _close_elastic(rdzv)
     run.drop_payload()   # no rank of this node will start again
     hooks.stop()
     if result.is_failed():
@@ -356,6 +370,13 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     status.update(state=NodeState.SUCCEEDED, ended=time.time())
     return 0
+
+
+def _close_elastic(rdzv) -> None:
+    """The job ended here (not by a signal): close an elastic rendezvous, as torchrun does, so
+    no node joins a finished job; a signal leaves it open for a node that replaces this one."""
+    if isinstance(rdzv, elastic_rendezvous.ElasticRendezvous):
+        rdzv.shutdown()
 
 
 def run_and_exit(argv: list[str] | None = None) -> None:

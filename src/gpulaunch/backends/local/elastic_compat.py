@@ -73,7 +73,7 @@ class ElasticAgent(LocalElasticAgent):
     def __init__(self, spec, *, logs_specs, start_method: str, shutdown_grace: float,
                  before_start: Callable | None = None, on_started: Callable | None = None,
                  on_restart: Callable | None = None, first_attempt: int = 0,
-                 preempted: Callable | None = None):
+                 preempted: Callable | None = None, free_membership_restarts: bool = False):
         kw = {}
         if "shutdown_timeout" in inspect.signature(LocalElasticAgent.__init__).parameters:
             kw["shutdown_timeout"] = max(1, int(round(shutdown_grace)))
@@ -83,6 +83,7 @@ class ElasticAgent(LocalElasticAgent):
         self.on_started = on_started
         self.on_restart = on_restart
         self.preempted = preempted
+        self.free_membership_restarts = free_membership_restarts   # --nnodes MIN:MAX
         self._last_result = None
         self._attempt = first_attempt
         if first_attempt:
@@ -180,7 +181,14 @@ class ElasticAgent(LocalElasticAgent):
         failed = self._last_result is not None and self._last_result.failures
         if failed and self.on_restart is not None:
             self.on_restart(self._attempt, exits_from(self._last_result.failures))
-        if not failed and self._remaining_restarts > 0:
+        if not failed and self.free_membership_restarts:
+            # An elastic job's node waits to join: as in torchrun, a membership change spends
+            # no restart; one more in the spec keeps the attempt numbers going
+            # (TORCHELASTIC_RESTART_COUNT, attempt<k>/) while the budget left stays the same.
+            worker_group.spec.max_restarts += 1
+            if self.on_restart is not None:
+                self.on_restart(self._attempt, {})
+        elif not failed and self._remaining_restarts > 0:
             # A healthy group restarted because another node restarts (``num_nodes_waiting``):
             # torchelastic does not count that as a restart, but the job's attempt is the same
             # on every node (TORCHELASTIC_RESTART_COUNT, attempt<k>/ folders), so count it.

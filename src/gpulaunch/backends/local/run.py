@@ -101,10 +101,15 @@ class LocalRun(RunController):
         self.standby = standby and record.placement.nnodes == 1
         self.proc: subprocess.Popen | None = None
         self._attempt_seen = -1
+        self._world_seen = 0              # --nnodes MIN:MAX: the world size last announced
         self._oom_start = collect.oom_kill_count()
         self.streamer = LogStreamer(show=self.spec.shows_rank, write=write) if stream else None
 
     def describe(self) -> str:
+        p = self.record.placement
+        if p.elastic:         # --nnodes MIN:MAX: the world size follows the nodes present
+            return describe_local(self.spec).replace(
+                "of the job's ", f"of the job's {p.min_nodes * self.spec.nproc_per_node} to ", 1)
         return describe_local(self.spec)
 
     # ------------------------------------------------------------------ start, poll, stop
@@ -131,6 +136,8 @@ class LocalRun(RunController):
     def _poll(self) -> None:
         """Stream new log lines; the run is over when its agent exits."""
         self._follow_attempts()
+        if self.record.placement.elastic:
+            self._follow_world()
         if self.streamer:
             self.streamer.pump()
         if self.proc.poll() is not None:
@@ -195,19 +202,42 @@ class LocalRun(RunController):
             if history:
                 why = "; ".join(f"rank {r} {procutil.describe_exit(f.exitcode)}"
                                 for r, f in sorted(history[-1].failures.items()))
-            if history and history[-1].preempted:
+            if history and history[-1].membership:
+                spent = sum(1 for h in history if not (h.membership or h.preempted))
+                self.streamer.write(f"gpulaunch: attempt {self._attempt_seen}: a node waits to "
+                                    f"join; restarting all ranks (attempt {latest}; "
+                                    f"{spent} of max_restarts={self.spec.max_restarts} spent)\n")
+            elif history and history[-1].preempted:
                 n = sum(1 for h in history if h.preempted)
                 self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} {history[-1].cause}"
                                     f"; restarting all ranks from it (attempt {latest}; "
                                     f"preemption {n}, max_restarts not spent)\n")
             else:
+                budget = f"attempt {latest} of {self.spec.max_restarts}"
+                if self.record.placement.elastic:    # membership changes are attempts too
+                    spent = sum(1 for h in history if not (h.membership or h.preempted))
+                    budget = (f"attempt {latest}; {spent} of max_restarts="
+                              f"{self.spec.max_restarts} spent")
                 self.streamer.write(f"gpulaunch: attempt {self._attempt_seen} failed ({why}); "
-                                    f"restarting all ranks (attempt {latest} of "
-                                    f"{self.spec.max_restarts})\n")
+                                    f"restarting all ranks ({budget})\n")
         self._attempt_seen = latest
         if self.streamer:
             for r in range(self.spec.world_size):
                 self.streamer.watch(r, self.run.rank_file(latest, r, "log"))
+
+    def _follow_world(self) -> None:
+        """An elastic run: one line each time this node's ranks start in a new world size."""
+        status = self.run.status(self.record.placement.node_rank)
+        if not status.world_size or status.world_size == self._world_seen or \
+                status.state != NodeState.RUNNING:
+            return
+        p = self.record.placement
+        was = f"{self._world_seen} -> " if self._world_seen else ""
+        self._world_seen = status.world_size
+        if self.streamer:
+            self.streamer.write(f"gpulaunch: world size {was}{status.world_size}: {status.nnodes}"
+                                f" node(s) of {p.min_nodes}:{p.nnodes}, this one is node "
+                                f"{status.group_rank} (attempt {status.attempt})\n")
 
     # ------------------------------------------------------------------ results
     def _final_state(self) -> NodeState:
