@@ -1,4 +1,4 @@
-"""``gpulaunch`` command line: run, runs, logs, doctor, plan. Thin: it calls the same code as the
+"""``gpulaunch`` command line: run, runs, logs, doctor, plan, preempt. Thin: it calls the same code as the
 Python API.
 
     gpulaunch run --gpus 2 train.py --lr 3e-4      # like torchrun --nproc-per-node 2 train.py
@@ -371,23 +371,24 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--wait", type=float, default=30.0, help="seconds to wait for the rank")
     p = sub.add_parser("doctor", help="what this host has, and whether a launch works")
     p.add_argument("--smoke", action="store_true", help="also run a 2-rank all_reduce")
-    from .backends.local import pool_cli
-    pool_cli.add_parser(sub)
-    from .planner import command as planner
-    planner.add_parser(sub)
-    from .jobs import command as job_cli
-    job_cli.add_parser(sub)
+    for module in _subcommands().values():
+        module.add_parser(sub)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
+def _subcommands() -> dict:     # the subcommands whose parser and handler live elsewhere
+    from . import cli_preempt
     from .backends.local import pool_cli
     from .jobs import command as job_cli
     from .planner import command as planner
+    return {"pool": pool_cli, "plan": planner, "job": job_cli, "preempt": cli_preempt}
+
+
+def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     handlers = {"run": cmd_run, "runs": cmd_runs, "logs": cmd_logs, "doctor": cmd_doctor,
-                "pool": pool_cli.main, "stacks": cmd_stacks, "debug": cmd_debug,
-                "plan": planner.main, "job": job_cli.main}
+                "stacks": cmd_stacks, "debug": cmd_debug}
+    handlers.update((name, module.main) for name, module in _subcommands().items())
     try:
         return handlers[args.command](args)
     except errors.UserError as e:

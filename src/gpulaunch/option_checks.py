@@ -56,6 +56,23 @@ def preemptions(value) -> int | None:
     return int(value)
 
 
+PREEMPT_WATCH_CLOUDS = ("aws", "gcp", "azure")
+
+
+def preempt_watch(value, name: str = "preempt_watch") -> str | None:
+    """The cloud whose instance metadata service the caller watches for a preemption notice."""
+    if value is None or value is False:
+        return None
+    word = value.strip().lower() if isinstance(value, str) else None
+    if word in ("", "none", "off"):
+        return None
+    if word not in PREEMPT_WATCH_CLOUDS:
+        raise ConfigurationError(
+            f"{name}={value!r}: not a cloud gpulaunch watches for preemption notices; choose "
+            f"{', '.join(repr(c) for c in PREEMPT_WATCH_CLOUDS)} (or None: off).")
+    return word
+
+
 def normalize_stream_logs(value) -> str | tuple[int, ...]:
     if value is True:
         return "all"

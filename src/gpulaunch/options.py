@@ -98,6 +98,13 @@ class LaunchOptions:
         "PreemptedError) instead of an end. Default: $GPULAUNCH_PREEMPT_GRACE_S, else off.",
         check=checks.seconds("preempt_grace"), rank_env="GPULAUNCH_PREEMPT_GRACE_S",
         cli=Cli(("--preempt-grace",), checks.cli_seconds, {"metavar": "S"}))
+    preempt_watch: str | None = setting(
+        None, "watch this cloud's instance metadata service for a preemption notice ('aws': "
+        "spot instance-action, 'gcp': instance/preempted, 'azure': a Preempt scheduled event): "
+        "the caller polls it every second or so during a call and turns a notice into the same "
+        "checkpoint-then-stop as SIGTERM. This host only (not with remote=). Default: "
+        "$GPULAUNCH_PREEMPT_WATCH, else off.", check=checks.preempt_watch,
+        cli=Cli(("--preempt-watch",), str, {"metavar": "CLOUD"}))
     shutdown_grace: float = setting(
         constants.DEFAULT_SHUTDOWN_GRACE_S, "seconds between SIGTERM and SIGKILL when ranks are "
         "stopped.", check=checks.seconds("shutdown_grace", allow_none=False),
@@ -156,6 +163,11 @@ class LaunchOptions:
                 object.__setattr__(self, f.name, check(getattr(self, f.name)))
         if self.cluster is not None and not self.remote:
             object.__setattr__(self, "remote", True)
+        if self.preempt_watch is not None and self.remote:
+            raise ConfigurationError(
+                f"preempt_watch={self.preempt_watch!r} with a Ray run: preemption notices reach "
+                "the ranks of runs on this host only (each Ray node has its own). Checkpoint "
+                "periodically (save_checkpoint) instead, or launch on this host.")
         if self.replicas is not None:
             from .common.replica_spec import conflicts
             conflicts(self)

@@ -43,8 +43,8 @@ class RunController:
     # Stacks on demand (``handle.stacks()``): a backend whose ranks the caller cannot signal
     # by pid (Ray) sets a method that has them dump; None: the caller signals the pids.
     dump_stacks: Callable[[], None] | None = None
-    # A preemption notice posted for this run (caller/preemption.py), and the one whose grace
-    # period ran out before the ranks had stopped.
+    # A preemption notice for this run (posted here, or found in its run directory: caller/
+    # preemption.py), and the one whose grace period ran out before the ranks had stopped.
     preempt_notice = None
     preempt_expired = None
 
@@ -114,8 +114,7 @@ class RunController:
             if not self.finished and self._deadline is not None \
                     and time.monotonic() > self._deadline:
                 self.stop(StopReason.TIMEOUT)
-            if self.preempt_notice is not None:
-                preemption.check_deadline(self)
+            preemption.check_deadline(self)      # a notice from here or from another process
             return self.finished
 
     step = poll   # the Ray node actor's spelling (a node's local run, no callbacks)

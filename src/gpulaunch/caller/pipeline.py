@@ -112,6 +112,8 @@ def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, strea
         func, args, kwargs, arg_names = call
         payload = serialize_call(func, args, kwargs, arg_names=arg_names,
                                  max_arg_bytes=options.max_arg_bytes)
+    from .cloud_notices import watch_callback
+    watch = watch_callback(options)        # preempt_watch=: a thread per run, from its start
     run_dir = rundir.create(label)
     if payload is not None and backend in ("local", "pool"):
         with open(os.open(run_dir.payload, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600),
@@ -120,7 +122,8 @@ def launch(options: LaunchOptions, entry: Entry, *, label: str, call=None, strea
     if fit is not None:
         import dataclasses
         write_json_atomic(run_dir.path / "plan.json", dataclasses.asdict(fit))
-    hooks = Callbacks(default_callbacks(options) if callbacks is None else callbacks)
+    hooks = Callbacks((default_callbacks(options) if callbacks is None else list(callbacks))
+                      + ([watch] if watch is not None else []))
     ctx = LaunchContext(run_dir, label, spec, entry, options,
                         remote=backend not in ("local", "pool"))
     hooks.on_launch(ctx)

@@ -8,10 +8,14 @@ keep its deadline.
   script N seconds before the end (``exec python train.py`` makes the caller that process).
   The caller itself is going away, so such a notice allows no restart here.
 * ``post(run, grace_s, restart=True)`` (``handle.preempt()``): the same notice from code, for
-  a node drain or a cloud metadata poller (``docs/fault-tolerance.md``); the run restarts from
-  the checkpoint under ``max_preemptions``.
+  a node drain (``docs/fault-tolerance.md``); the run restarts from the checkpoint under
+  ``max_preemptions``.
 * ``check_deadline(run)`` (every poll of the controller): a notice whose grace period ended
   before the ranks had stopped stops every rank; ``result()`` then raises ``PreemptedError``.
+  A notice file that another process wrote (``gpulaunch preempt``, a preStop hook) is kept
+  the same way.
+* ``caller/cloud_notices.py`` (``preempt_watch=``): a thread that polls the cloud's metadata
+  service and calls ``post`` at its first notice.
 """
 
 from __future__ import annotations
@@ -56,12 +60,21 @@ def post(run, grace_s: float | None = None, *, source: str, restart: bool):
 
 
 def check_deadline(run) -> None:
-    """Called on every poll while a notice is armed: stop the run once its grace is over. A
-    notice the node agent archived (the attempt restarted after its checkpoint) disarms it."""
+    """Called on every poll: stop the run once a notice's grace is over. A notice another
+    process wrote into the run directory (``gpulaunch preempt``) arms it as one posted here
+    does; a notice the node agent archived (the attempt restarted after its checkpoint)
+    disarms it."""
     notice = getattr(run, "preempt_notice", None)
-    if notice is None or run.finished:
+    if run.finished:
         return
-    if preemption.read_notice(run.run.path) is None:
+    if notice is None:
+        if not _on_this_host(run):
+            return
+        notice = preemption.read_notice(run.run.path)      # one failed open() without one
+        if notice is None:
+            return
+        run.preempt_notice = notice
+    elif preemption.read_notice(run.run.path) is None:
         run.preempt_notice = None                # restarted from the checkpoint: no deadline
         return
     if time.time() > notice.deadline + DEADLINE_SLACK_S:
