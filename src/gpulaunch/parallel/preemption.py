@@ -19,6 +19,7 @@ would only add the staging copy to the time before the checkpoint is published.
 
 from __future__ import annotations
 
+import os
 import time
 
 from .. import runtime as rt
@@ -89,7 +90,9 @@ def save_on_preemption(path, prepared, *, step: int, loader=None, extra=None, op
     if dist is not None and dist.get_world_size() > 1:
         dist.barrier()      # the record is there before any rank's exit tells the agent
     left = notice.remaining()
+    # a notice that allows a restart restarts here only within max_preemptions (default 0)
     where = ("the run restarts from it here" if notice.restart
+             and preemption.max_preemptions(os.environ) > 0
              else "the next start resumes from it (parallel.resume)")
     raise PreemptedError(
         f"Preempted ({notice.source}, grace {notice.grace_s:.3g} s): checkpoint of step {step} "
