@@ -45,7 +45,9 @@ from .callbacks import RunCallback
 
 WATCH_ENV = "GPULAUNCH_PREEMPT_WATCH"
 METADATA_URL_ENV = "GPULAUNCH_METADATA_URL"
-BASE_URLS = {"aws": "http://169.254.169.254", "gcp": "http://metadata.google.internal",
+# Every cloud's service answers on the link-local address (GCP's also as
+# metadata.google.internal): no name lookup in the caller's thread.
+BASE_URLS = {"aws": "http://169.254.169.254", "gcp": "http://169.254.169.254",
              "azure": "http://169.254.169.254"}
 CLOUD_NAMES = {"aws": "AWS", "gcp": "GCP", "azure": "Azure"}
 POLL_S = 1.0              # how often the service is asked
