@@ -196,7 +196,7 @@ class Watch:
         while not self._stop.is_set():
             try:
                 notice = self._protocol.check()
-            except (Unreachable, ValueError, AttributeError, TypeError) as e:
+            except Exception as e:  # noqa: BLE001 - unreachable, or not the protocol
                 notice = None
                 if not self.warned:
                     self.warned = True
