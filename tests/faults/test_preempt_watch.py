@@ -135,6 +135,7 @@ def test_an_unreachable_service_costs_one_warning_line(tmp_path, monkeypatch, ca
     assert len(lines) == 1, err[-3000:]
     assert f"http://127.0.0.1:{port}" in lines[0] and "the run goes on" in lines[0]
     assert took > 3                         # the watch asked several times, and warned once
+    assert_no_survivors(latest_run_dir(Path(os.environ["GPULAUNCH_HOME"])))
     _no_watch_left()
 
 
