@@ -1,16 +1,19 @@
-"""``gpulaunch preempt [RUN] [--grace S] [--no-restart] [--all]``: a preemption notice for a run
+"""``gpulaunch preempt [RUN] [--grace S] [--no-restart] [--all] [--wait]``: a preemption notice for a run
 that another process started on this host, for a Kubernetes ``preStop`` hook or a node-drain
 script. It writes the run's notice file (``common/preemption.py``), as ``handle.preempt()``
 does: every rank saves a checkpoint of its step (``parallel.save_on_preemption``), and the
 run's caller, which finds the notice in its run directory, keeps its deadline.
 
 Default: the newest run on this host that is still going; ``--all``: every one of them.
+``--wait``: return once each has saved its checkpoint (a ``preStop`` hook: Kubernetes sends
+SIGTERM only after the hook returns).
 """
 
 from __future__ import annotations
 
 import os
 import sys
+import time
 
 from .common import preemption, rundir
 from .common.procutil import pid_alive
@@ -29,6 +32,9 @@ def add_parser(sub) -> None:
     p.add_argument("--grace", type=float, default=None, metavar="S",
                    help="seconds for the checkpoint (default: $GPULAUNCH_PREEMPT_GRACE_S, "
                         "else 30)")
+    p.add_argument("--wait", action="store_true",
+                   help="return once the checkpoint is saved (or the grace is over): a "
+                        "preStop hook, which Kubernetes waits for before it sends SIGTERM")
     p.add_argument("--no-restart", action="store_true",
                    help="the run stops after the checkpoint (PreemptedError), whatever its "
                         "max_preemptions; the next start resumes (use it when the machine goes)")
@@ -90,9 +96,12 @@ def main(args) -> int:
     if grace <= 0:
         raise ConfigurationError(f"--grace must be a positive number of seconds, got {grace}")
     source = f"gpulaunch preempt from pid {os.getpid()}"
+    posted = []
     for run in targets(args.run, args.all):
+        attempt = (run.attempts() or [0])[-1]
         notice = preemption.post_notice(run.path, grace, source=source,
                                         restart=not args.no_restart)
+        posted.append((run, attempt, notice))
         if notice.source != source:
             print(f"gpulaunch: run {run.run_id} already has a notice ({notice.source}), "
                   f"{notice.remaining():.3g} s left; left as it is")
@@ -102,4 +111,30 @@ def main(args) -> int:
         print(f"gpulaunch: preemption notice posted to run {run.run_id}: its ranks save a "
               f"checkpoint within {grace:g} s, {then}")
     sys.stdout.flush()
-    return 0
+    return _wait(posted) if args.wait else 0
+
+
+def _saved(run: RunDir, since: int) -> dict | None:
+    return next((s for a in run.attempts() if a >= since
+                 for s in [preemption.read_saved(run.path, a)] if s is not None), None)
+
+
+def _wait(posted) -> int:
+    """Until each run has saved its checkpoint for the notice, or ended, or the grace (plus
+    the caller's slack) is over; 1 if a run ended without one."""
+    code = 0
+    for run, attempt, notice in posted:
+        while _saved(run, attempt) is None and _going(run) is None \
+                and time.time() < notice.deadline + 2.0:
+            time.sleep(0.1)
+        saved = _saved(run, attempt)
+        if saved is not None:
+            print(f"gpulaunch: run {run.run_id}: checkpoint of step {saved['step']} saved in "
+                  f"{saved['checkpoint']}, {saved['saved_at'] - notice.received_at:.2f} s after "
+                  "the notice")
+        else:
+            code = 1
+            print(f"gpulaunch: run {run.run_id}: no checkpoint for the notice "
+                  f"({_going(run) or 'the grace period is over'})")
+    sys.stdout.flush()
+    return code

@@ -75,16 +75,17 @@ def _start_in_training(cmd, ckpt, env=None):
 def test_gpulaunch_preempt_from_another_process_checkpoints_and_the_next_run_resumes(
         tmp_path, gpulaunch_home):
     """A Kubernetes preStop hook's command: the notice of another process, which the caller
-    finds in its run directory; the ranks save, the caller exits saying so, and the next start
-    resumes. Then the run has ended: a second ``gpulaunch preempt`` says so."""
+    finds in its run directory; the ranks save (``--wait`` returns then, saying which step),
+    the caller exits saying so, and the next start resumes. Then the run has ended: a second
+    ``gpulaunch preempt`` says so."""
     script, ckpt = tmp_path / "train.py", str(tmp_path / "ck")
     script.write_text(SCRIPT)
     cmd = [PY, "-m", "gpulaunch", "run", "--nproc-per-node", "2"]
     first = _start_in_training(cmd + ["--preempt-grace", "20", str(script), ckpt, "100000"],
                                ckpt)
     run_id = latest_run_dir(gpulaunch_home).name
-    hook = subprocess.run([PY, "-m", "gpulaunch", "preempt", "--grace", "20"], env=python_env(),
-                          capture_output=True, text=True, timeout=60)
+    hook = subprocess.run([PY, "-m", "gpulaunch", "preempt", "--grace", "20", "--wait"],
+                          env=python_env(), capture_output=True, text=True, timeout=60)
     assert hook.returncode == 0, hook.stdout + hook.stderr
     assert f"gpulaunch: preemption notice posted to run {run_id}: its ranks save a checkpoint " \
            "within 20 s" in hook.stdout, hook.stdout
@@ -93,6 +94,7 @@ def test_gpulaunch_preempt_from_another_process_checkpoints_and_the_next_run_res
     m = re.search(r"gpulaunch: Preempted \(gpulaunch preempt from pid \d+, grace 20 s\): "
                   r"checkpoint of step (\d+) saved in .*the next start resumes from it", out)
     assert m, out[-3000:]
+    assert f"gpulaunch: run {run_id}: checkpoint of step {m.group(1)} saved in " in hook.stdout
     assert_no_survivors(latest_run_dir(gpulaunch_home))
     again = subprocess.run([PY, "-m", "gpulaunch", "preempt", run_id], env=python_env(),
                            capture_output=True, text=True, timeout=60)
