@@ -180,7 +180,20 @@ def _eval_loss(model) -> float:
         return torch.nn.functional.mse_loss(model(x), y).item()
 
 
-def _train(steps: int, pause: float, shards: int):
+def _last_step(steps: int, until: str | None) -> int:
+    """``steps``; with ``until`` (a file the test writes once what it waits for happened), the
+    step written there, and no end before it appears (a loaded host can take longer to bring a
+    group up than a fixed run of steps lasts). Every group reads the same number: they end
+    together."""
+    if until is None:
+        return steps
+    try:
+        return max(steps, int(open(until).read()))
+    except (FileNotFoundError, ValueError):
+        return 3000                              # not yet: the test's own bound
+
+
+def _train(steps: int, pause: float, shards: int, until: str | None = None):
     """Every step trains on ``shards`` data shards in all, whatever the live groups."""
     import time
 
@@ -190,7 +203,7 @@ def _train(steps: int, pause: float, shards: int):
     model = _model()
     r = ft.replicated(model, torch.optim.Adam(model.parameters(), lr=LR))
     seen = {}                                   # participants -> shards this group trained on
-    while r.step < steps:
+    while r.step < _last_step(steps, until):
         r.optimizer.zero_grad()
         mine = []
         for shard in r.accumulate(shards):
@@ -352,15 +365,21 @@ def test_a_run_started_on_less_capacity_than_max_grows_when_it_comes(tmp_path, g
     ev = {}
     lighthouse_pids = set()
 
+    until = tmp_path / "until"
+
     def node_watcher(groups):
         lighthouse_pids.add(groups.lighthouse.pid)
         if "given" not in ev and groups.step >= 10:
             ev["given"] = groups.step
             capacity.give()
+        if groups.size == 2 and "grown" not in ev:     # the run ends 30 steps after growing
+            ev["grown"] = groups.step
+            (tmp_path / "until.tmp").write_text(str(groups.step + 30))
+            (tmp_path / "until.tmp").rename(until)
 
-    result = ft.run_replicas(_train, 60, 0.03, 2, replicas=(1, 2), node_lost_timeout=1.0,
-                             capacity=capacity, ft_dir=str(tmp_path / "ft"),
-                             on_poll=node_watcher)
+    result = ft.run_replicas(_train, 60, 0.03, 2, str(until), replicas=(1, 2),
+                             node_lost_timeout=1.0, capacity=capacity,
+                             ft_dir=str(tmp_path / "ft"), on_poll=node_watcher)
     assert [(c.from_size, c.to_size, c.replica) for c in result.size_changes] == [(1, 2, 1)]
     grow, = result.size_changes
     first = result.steps[1][0]
