@@ -79,11 +79,12 @@ def test_warm_calls_are_tracked_like_cold_ones(store):
     assert gpulaunch.tracking.flush(timeout=120)
     ids = [h.mlflow_run_id for h in handles]
     assert len(set(ids)) == 3 and seen == [[i, i] for i in ids]
-    for n, run_id in enumerate(ids):
+    for run_id in ids:
         assert store.get_run(run_id).info.status == "FINISHED"
         cpu = store.get_metric_history(run_id, "system/node_0/cpu_utilization_percentage")
         steps = sorted(m.step for m in cpu)
-        # a start and an end sample; a warm call that outlasts the sampling interval (a loaded
-        # host) also has the periodic ones between: steps 0, 1, ... without a gap
-        assert steps[:1] == [0] and steps == list(range(len(steps))), steps
-        assert len(steps) >= 2 or not n, steps
+        # a start and an end sample, the cold call's too; a call that outlasts the sampling
+        # interval (a loaded host) also has the periodic ones between: steps 0, 1, ... without
+        # a gap. A warm call over before the sampler thread ran still has both (CI once saw
+        # step 0 alone: tests/tracking/test_system_handoff.py)
+        assert len(steps) >= 2 and steps == list(range(len(steps))), steps

@@ -79,17 +79,15 @@ class RunEnd:
                                              for k, v in recorded.items()])
 
     def _log_handed_off_system_metrics(self, client, run_id: str) -> None:
-        """Samples a node agent took but left to us (it exited before its own MLflow client
-        was ready: a short run). See ``tracking.system.SystemMetricsLogger``."""
-        from mlflow.entities import Metric
+        """Samples a node agent took but left to us (its MLflow client was not ready yet: a
+        short run; or the store failed it). See ``tracking.system.SystemMetricsLogger``."""
+        from .system import log_samples
         for path in sorted(self.run.path.glob("system_metrics.node*.json")):
             data = read_json(path, {}) or {}
             if data.get("run_id") != run_id:
                 continue
-            metrics = [Metric(k, v, s["timestamp"], s["step"])
-                       for s in data.get("samples", []) for k, v in s["values"].items()]
-            for i in range(0, len(metrics), 900):      # MLflow takes 1000 per batch
-                client.log_batch(run_id, metrics=metrics[i:i + 900])
+            log_samples(client, run_id, [(s["timestamp"], s["step"], s["values"])
+                                         for s in data.get("samples", [])])
 
     def _upload(self, client, run_id: str, state: str, backend_run=None) -> None:
         run = self.run

@@ -94,20 +94,38 @@ class NodeSampler:
         return {self.prefix + k: round(v, 2) for k, v in m.items()}
 
 
+# MLflow takes at most 1000 metrics in one log_batch (a sample is 4 + 5 per GPU of them).
+BATCH_METRICS = 900
+# Samples a failing store left unlogged are kept for the next try (or the caller) up to this
+# many (an hour at the default 5 s); older ones are dropped, saying so.
+MAX_KEPT = 720
+
+
+def log_samples(client, run_id: str, samples) -> None:
+    """Log ``(timestamp_ms, step, values)`` samples into the run, in batches MLflow takes."""
+    from mlflow.entities import Metric
+    metrics = [Metric(k, v, ms, step) for ms, step, values in samples for k, v in values.items()]
+    for i in range(0, len(metrics), BATCH_METRICS):
+        client.log_batch(run_id, metrics=metrics[i:i + BATCH_METRICS])
+
+
 class SystemMetricsLogger:
     """A daemon thread that samples every ``interval`` s and logs into the MLflow run.
 
     The first sample is taken at once and the last one at ``stop()``, so even a short run has
-    a point at each end. A failing store is reported once and retried at the next sample;
-    ``stop()`` waits a bounded time, so a dead store never holds the agent.
+    a point at each end. A failing store is reported once; what it did not take is kept and
+    retried with the next sample; ``stop()`` waits a bounded time, so a dead store never holds
+    the agent.
 
     Importing MLflow takes this process 1-2 s, which would be the whole cost of tracking a
     short launch if the agent had to wait for it before exiting. So samples taken before the
     client exists are kept, and when ``handoff`` (a file in a run directory the caller reads)
-    is given and the client is still not ready at ``stop()``, they are written there for the
-    caller to log, and the agent goes on at once. With ``handoff`` the client is made only
-    after the first interval: a run shorter than that (a warm call) makes no MLflow call while
-    it runs."""
+    is given, whatever is not logged at ``stop()`` is written there for the caller to log at
+    the run's end, and the thread logs nothing more: the samples of a client not ready yet
+    (the agent goes on at once), and those of a store that failed or outlasted ``stop()``'s
+    wait (a warm pool's sqlite store written by the previous call's end in this process).
+    With ``handoff`` the client is made only after the first interval: a run shorter than
+    that (a warm call) makes no MLflow call while it runs."""
 
     def __init__(self, run_id: str, tracking_uri: str, node_rank: int, interval: float, *,
                  nproc: int | None = None, log=None, handoff=None):
@@ -121,13 +139,17 @@ class SystemMetricsLogger:
         self.samples = 0
         self.handed_off = False
         self._stop = threading.Event()
-        self._lock = threading.Lock()
+        self._lock = threading.Lock()       # guards the fields below and the step numbers
         self._sampler: NodeSampler | None = None
+        self._step = 0                      # the next sample's
         self._pending: list[tuple[int, int, dict]] = []   # (ms, step, values) not yet logged
+        self._inflight: list[tuple[int, int, dict]] = []  # being logged by the thread now
+        self._end_taken = False             # the thread took its sample at stop()
         self._client_ready = False
         self._thread = threading.Thread(target=self._loop, name="gpulaunch-system-metrics",
                                         daemon=True)
         self._warned = False
+        self._dropping = False
 
     @property
     def started(self) -> bool:
@@ -137,8 +159,12 @@ class SystemMetricsLogger:
         self._thread.start()
         return self
 
-    def _take(self, step: int) -> tuple[int, int, dict]:
-        return int(time.time() * 1000), step, self._sampler.sample()
+    def _take(self) -> tuple[int, int, dict]:
+        """The next sample (the caller holds ``_lock``: steps stay 0, 1, ... without a gap
+        whichever thread takes it)."""
+        sample = int(time.time() * 1000), self._step, self._sampler.sample()
+        self._step += 1
+        return sample
 
     def _loop(self) -> None:
         try:
@@ -146,14 +172,14 @@ class SystemMetricsLogger:
             if sampler.gpu_error and os.path.exists("/dev/nvidiactl"):   # a GPU host: say why
                 self.log(f"no GPU system metrics ({sampler.gpu_error})")
             with self._lock:
-                self._sampler = sampler
                 if self.handed_off:
                     return
-                self._pending.append(self._take(0))
+                self._sampler = sampler
+                self._pending.append(self._take())
             if self.handoff is not None and self._stop.wait(self.interval):
-                return      # shorter than an interval: stop() hands both samples to the caller
+                return      # shorter than an interval: stop() hands the samples to the caller
             with procutil.FORK_QUIET:
-                from mlflow.entities import Metric
+                import mlflow.entities  # noqa: F401 - here, not while the agent forks ranks
                 from mlflow.tracking import MlflowClient
                 client = MlflowClient(self.tracking_uri)
         except Exception as e:  # noqa: BLE001
@@ -163,60 +189,95 @@ class SystemMetricsLogger:
             if self.handed_off:         # stop() gave the samples to the caller meanwhile
                 return
             self._client_ready = True
-            backlog, self._pending = self._pending, []
-        for ms, st, values in backlog:
-            self._log_batch(client, Metric, ms, st, values)
-        step = len(backlog)
-        take_now = not backlog      # a backlog ends with a fresh sample: wait an interval first
+        take_now = False            # the backlog ends with a fresh sample: wait an interval first
         while True:
             stopping = self._stop.is_set()
-            if take_now or stopping:
-                self._log_batch(client, Metric, *self._take(step))
-                step += 1
-            take_now = True
+            with self._lock:
+                if self.handed_off:     # stop() stopped waiting: the rest went to the caller
+                    return
+                if take_now or stopping:
+                    self._pending.append(self._take())
+                    self._end_taken = stopping
+                self._inflight, self._pending = self._pending, []
+            self._log_inflight(client)
             if stopping:
                 return
+            take_now = True
             self._stop.wait(self.interval)   # woken early by stop(): one last sample, then out
 
-    def _log_batch(self, client, Metric, ms: int, step: int, values: dict) -> None:
+    def _log_inflight(self, client) -> None:
+        ok = self._log_batch(client, self._inflight)
+        with self._lock:
+            batch, self._inflight = self._inflight, []
+            if ok or self.handed_off:   # handed off: the caller has them too
+                return
+            self._pending[:0] = batch   # the next try, or the caller's at stop()
+            if len(self._pending) > MAX_KEPT:
+                del self._pending[:-MAX_KEPT]
+                if not self._dropping:
+                    self._dropping = True
+                    self.log(f"the store still fails; only the last {MAX_KEPT} system samples "
+                             f"are kept")
+
+    def _log_batch(self, client, samples) -> bool:
+        if not samples:
+            return True
         try:
             with procutil.FORK_QUIET:   # not while the agent forks ranks (a restart)
-                client.log_batch(self.run_id, metrics=[Metric(k, v, ms, step)
-                                                       for k, v in values.items()])
-            self.samples += 1
+                log_samples(client, self.run_id, samples)
+            self.samples += len(samples)
+            return True
         except Exception as e:  # noqa: BLE001
             if not self._warned:
                 self._warned = True
-                self.log(f"logging system metrics failed (will retry): "
+                self.log(f"logging system metrics failed (kept for the next try"
+                         f"{', then the caller' if self.handoff is not None else ''}): "
                          f"{type(e).__name__}: {e}")
+            return False
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
-        if self.handoff is not None and self._hand_off():
-            return
-        if self._thread.is_alive():
-            self._thread.join(timeout)
-
-    def _hand_off(self) -> bool:
-        """If the client is not ready yet: the samples so far plus a last one go to the caller
-        through ``handoff``; the thread drops its own. True if handed off."""
         with self._lock:
-            if self._client_ready:
-                return False
+            # Without a client yet the samples go to the caller at once (the agent never
+            # waits for an MLflow import); with one, the thread logs its last sample.
+            wait = self._client_ready or self.handoff is None
+        if wait and self._thread.is_alive():
+            self._thread.join(timeout)
+        if self.handoff is not None:
+            self._hand_off()
+        elif self._pending or self._thread.is_alive():
+            self.log("system metrics: the last samples may be missing (the store failed or "
+                     "did not answer in time)")
+
+    def _hand_off(self) -> None:
+        """Whatever the thread has not logged, and the end sample if it did not take it, goes
+        to the caller through ``handoff``; the thread logs nothing more. A batch still in
+        flight (the wait ran out) is handed off too: if it lands after all, the caller's copy
+        is the same metrics, which an SQL store keeps once."""
+        with self._lock:
             self.handed_off = True
-            samples = list(self._pending)
+            samples = self._inflight + self._pending
+            self._pending = []
             if self._sampler is None:        # the thread has not even sampled yet
                 try:
                     self._sampler = NodeSampler(self.node_rank, nproc=self.nproc)
                 except Exception:  # noqa: BLE001
                     pass
-            if self._sampler is not None:
+            if self._sampler is not None and not self._end_taken:
                 try:
-                    samples.append(self._take(len(samples)))
+                    if self._step == 0:
+                        # The call ended before the thread took its start sample (a warm call
+                        # is milliseconds; a loaded host may not run the thread that soon):
+                        # both ends are taken now, so the run still has a point at each.
+                        samples.append(self._take())
+                    samples.append(self._take())
                 except Exception:  # noqa: BLE001
                     pass
-        if not samples:
-            return True
+            self._end_taken = True          # a second stop() adds nothing, overwrites nothing
+        if samples:
+            self._write_handoff(samples)
+
+    def _write_handoff(self, samples) -> None:
         from ..common.rundir import write_json_atomic
         try:
             write_json_atomic(self.handoff, {"run_id": self.run_id, "samples": [
@@ -224,4 +285,3 @@ class SystemMetricsLogger:
             self.samples += len(samples)
         except OSError as e:
             self.log(f"could not hand system metrics to the caller: {e}")
-        return True
