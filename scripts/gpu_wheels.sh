@@ -23,7 +23,7 @@ DEST=${GPU_WHEELS_DEST:-.whl}
 PY=${PYTHON:-/root/.cache/gpulaunch-ci/venv/bin/python}   # needs pip, packaging, and torch
 [ -x "$PY" ] || PY=python3                               # (torch: to build DeepSpeed's wheel)
 KINDS=${GPU_HOST_PACKAGES:-/work/.library/device/KINDS.md}
-REQUIRED="trl datasets deepspeed mlflow-skinny sqlalchemy alembic pycocotools"
+REQUIRED="trl datasets deepspeed mlflow-skinny sqlalchemy alembic pycocotools torchao"
 OPTIONAL="transformers peft"
 # what else travels with the wheels: the repository's files (tracked and untracked, not ignored)
 repo_bytes=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null \
@@ -80,6 +80,9 @@ for line in open("scripts/constraints.txt"):
     mm = re.match(r"^([A-Za-z0-9_.\-]+)==([^\s;#]+)", line)
     if mm:
         pins[canon(mm.group(1))] = mm.group(2)
+# torchao's wheels are built for one torch each: 0.17.0 is the one for the image's torch 2.11
+# (tests/gpu/test_gpu_mesh.py's FP8 recipe), whatever the CPU suite's torch takes
+pins["torchao"] = "0.17.0"
 
 notes, problems = [], []
 image = {}        # canon name -> what the bundle needs of the image's copy

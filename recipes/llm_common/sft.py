@@ -235,10 +235,13 @@ def eval_loss(trainer) -> float:
     return float(trainer.evaluate()["eval_loss"])
 
 
-def peak_memory(device) -> dict:
+def peak_memory(device, seen: int = 0) -> dict:
+    """``seen``: the largest CUDA peak the probe read at a step's end (a trainer that resets
+    CUDA's peak at every log, as Axolotl's does, would otherwise report the last log's)."""
     import torch
     if device.type == "cuda":
-        return {"peak_memory_gib": torch.cuda.max_memory_allocated(device) / 2**30,
+        peak = max(torch.cuda.max_memory_allocated(device), seen)
+        return {"peak_memory_gib": peak / 2**30,
                 "peak_reserved_gib": torch.cuda.max_memory_reserved(device) / 2**30,
                 "memory_kind": "cuda max_memory_allocated"}
     import resource
@@ -275,6 +278,7 @@ def make_probe(trainer, device):
             self.seen, self.step_times, self.step_tokens = None, [], []
             self.batch_tokens = []          # this rank's, from the fetched batches (token_count)
             self.eval_seconds, self.in_train, self.eval_in_train = 0.0, False, 0.0
+            self.peak_bytes = 0             # CUDA's peak at each step's end (peak_memory)
             self._t = self._tok = self.train_begin = self.train_end = None
 
         def on_train_begin(self, args, state, control, **kwargs):
@@ -291,6 +295,8 @@ def make_probe(trainer, device):
                 self.step_times.append(now() - self._t)
                 self.step_tokens.append(_tokens_so_far(trainer) - self._tok)
                 self.batch_tokens.append(counter.take())
+                if device.type == "cuda":
+                    self.peak_bytes = max(self.peak_bytes, torch.cuda.max_memory_allocated(device))
             if self.seen is None:
                 self.seen = wrapper_in_effect(trainer)
 
@@ -368,8 +374,7 @@ def measured(trainer, probe, device, opts, *, timeline: dict, world_size: int) -
         **metrics.throughput(config, seq_len=opts.seq_len, tokens_per_second=rate,
                              world_size=world_size, device=device,
                              override_tflops=opts.extra.get("peak_tflops")),
-        **peak_memory(device),
-        "timeline": timeline,
+        **peak_memory(device, probe.peak_bytes), "timeline": timeline,
     }
 
 
