@@ -1,5 +1,5 @@
-"""Two groups of ``bench/llm_speed.py``, planned here to keep that script short: ``gptoss`` and
-``qlora``. Each takes the script's row factory (``llm_speed._recipe``) and the shared run
+"""Three groups of ``bench/llm_speed.py``, planned here to keep that script short: ``gptoss``,
+``qlora`` and ``foundry``. Each takes the script's row factory (``llm_speed._recipe``) and the shared run
 shape (``llm_recipes_gpu._shape``), so that every row is built the same way as the others."""
 
 from __future__ import annotations
@@ -82,3 +82,32 @@ def qlora_plan(smoke: bool, recipe, shape_of) -> list:
                         row="trl_sft_lora_ddp --load-in-4bit -x compile=true (compiled "
                             "layers over Linear4bit)")]
     return rows
+
+
+def foundry_plan(smoke: bool, recipe, shape_of) -> list:
+    """LLM Foundry's full fine-tune (recipes/llmfoundry_fsdp.py: Composer's trainer, amp_bf16,
+    decoupled LionW) beside the TRL full fine-tuning recipe as plain DDP (``trl_sft_full_zero3
+    -x technique=ddp``: one process, where ZeRO-3 shards nothing) on the ``full`` group's shape:
+    Llama-3.2-1B, random init, world size 1, 4 x 2048 tokens a step (``--data long``; Foundry's
+    global batch 4 at micro-batch 4), 40 steps, no gradient checkpointing in either. At world
+    size 1 Foundry itself drops the FSDP config ("FSDP is not applicable for single-GPU
+    training. Reverting to DDP.") and Composer trains the bare model: the row reports wrapper
+    ``single``; FSDP needs 2 ranks or more. Tokens: Foundry's probe counts the real
+    (attention-mask) tokens of each step's batch; the TRL row counts the same (``-x
+    token_counter=batches``). Foundry runs on its carried tree (``site="foundry"``:
+    bench/llm_foundry_bundle.sh, transformers 4.51.3 beside the machine's torch). On CPU
+    (``--smoke``) both run the tiny Llama, one rank."""
+    group = "foundry"
+    steps = 4 if smoke else 40
+    one_b = shape_of(smoke, "llama-3.2-1b", 2048, 4, 1, steps, "--measure-after", "8",
+                     "--eval-batches", "2", "--lr", "2e-4", "--warmup-steps", "2") + [
+        "-x", "save=false", "--no-gradient-checkpointing"]
+    return [recipe("foundry_1b", group, "llmfoundry_fsdp",
+                   one_b + ["-x", f"global_batch={2 if smoke else 4}"], role="framework",
+                   site="foundry", smoke=smoke, est_s=150,
+                   row="llmfoundry_fsdp Llama-3.2-1B full (Composer's trainer, llm-foundry "
+                       "0.22.0 carried beside the machine's torch; 1 rank: no FSDP wrap)"),
+            recipe("trl_full_1b", group, "trl_sft_full_zero3",
+                   one_b + ["-x", "technique=ddp", "-x", "token_counter=batches"],
+                   role="framework_twin", smoke=smoke, est_s=70,
+                   row="trl_sft_full_zero3 --speed auto -x technique=ddp, the same shape")]

@@ -18,12 +18,10 @@
 #   bash bench/llm_frameworks_bundle.sh      # -> .device-carry/llm-frameworks.tar.xz
 set -euo pipefail
 cd "$(dirname "$0")/.."
-PY=${PYTHON:-python3}
 WORK=${WORK:-/tmp/llm-bundle}
 DEST=.device-carry/llm-frameworks.tar.xz
-PLAT=(--python-version 3.12 --implementation cp --only-binary=:all: --platform manylinux_2_28_x86_64
-      --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
-      --platform manylinux2014_x86_64 --platform any)
+# shellcheck source=bench/_site_bundle.sh
+source bench/_site_bundle.sh
 COMMON="datasets==4.8.4 dill==0.4.1 multiprocess==0.70.19 bitsandbytes==0.50.2 torchao==0.17.0"
 UNSLOTH="unsloth==2026.10.9 unsloth_zoo==2026.10.9 trl==1.15.0 peft==0.21.2"
 AXOLOTL="axolotl==0.19.0 axolotl-contribs-lgpl==0.0.7 axolotl-contribs-mit==0.0.6
@@ -41,30 +39,14 @@ AXOLOTL="axolotl==0.19.0 axolotl-contribs-lgpl==0.0.7 axolotl-contribs-mit==0.0.
   pydantic-extra-types==2.11.1 pytz==2026.6 sniffio==1.3.1 termcolor==3.3.0
   typing-inspection==0.4.5 wandb==0.31.0 zstandard==0.22.0 protobuf==6.33.6"
 rm -rf "$WORK"; mkdir -p "$WORK"
-tree() {  # name, specs...: fetch the wheels, unpack them into $WORK/site-<name>
-  local name=$1 spec; shift
-  mkdir -p "$WORK/wheels-$name"
-  for spec in "$@"; do   # a few ship only an sdist (pure Python): build their wheel here
-    "$PY" -m pip download -q --no-deps "${PLAT[@]}" -d "$WORK/wheels-$name" "$spec" \
-        >/dev/null 2>&1 \
-      || "$PY" -m pip wheel -q --no-deps -w "$WORK/wheels-$name" "$spec" >/dev/null 2>&1 \
-      || { echo "cannot fetch $spec" >&2; return 1; }
-  done
-  "$PY" -m pip install -q --no-deps --no-compile "${PLAT[@]}" --target "$WORK/site-$name" \
-    "$WORK"/wheels-"$name"/*.whl 2>&1 | { grep -v -e "^WARNING: Location" -e "as the 'root' user" || true; }
-}
 # shellcheck disable=SC2086
-tree fwcommon $COMMON
+site_tree fwcommon $COMMON
 # shellcheck disable=SC2086
-tree unsloth $UNSLOTH
+site_tree unsloth $UNSLOTH
 # shellcheck disable=SC2086
-tree axolotl $AXOLOTL
+site_tree axolotl $AXOLOTL
 rm -rf "$WORK"/site-unsloth/studio
 find "$WORK"/site-fwcommon/bitsandbytes -name 'libbitsandbytes_*.so' \
   ! -name 'libbitsandbytes_cuda130.so' ! -name 'libbitsandbytes_cpu.so' -delete
-rm -rf "$WORK"/site-axolotl/wandb/bin "$WORK"/site-*/bin
-find "$WORK" -name __pycache__ -type d -prune -exec rm -rf {} +
-du -sh "$WORK"/site-*
-mkdir -p .device-carry
-tar -C "$WORK" -cf - site-fwcommon site-unsloth site-axolotl | xz -6 -T0 > "$DEST"
-ls -la "$DEST"
+rm -rf "$WORK"/site-axolotl/wandb/bin
+site_pack "$DEST" fwcommon unsloth axolotl

@@ -327,12 +327,13 @@ def versions() -> dict:
     code = ("import importlib, json, torch\nv = {'torch': torch.__version__, 'cuda': "
             "torch.cuda.is_available(), 'gpu': torch.cuda.get_device_name(0) if "
             "torch.cuda.is_available() else None}\nfor m in ('transformers', 'trl', 'peft', "
-            "'accelerate', 'datasets', 'deepspeed', 'unsloth', 'axolotl', 'bitsandbytes'):\n"
+            "'accelerate', 'datasets', 'deepspeed', 'unsloth', 'axolotl', 'bitsandbytes',\n"
+            "          'llmfoundry', 'composer'):\n"
             "    try:\n        v[m] = importlib.import_module(m).__version__\n"
             "    except Exception as e:\n        v[m] = 'missing: ' + type(e).__name__\n"
             "print(json.dumps(v))")
     out = {}
-    for site in ("trl", "unsloth", "axolotl"):
+    for site in ("trl", "unsloth", "axolotl", "foundry"):
         if site != "trl" and not available(site):
             continue
         p = subprocess.run([python_for(site), "-c", code], env={**os.environ, **site_env(site)},

@@ -33,6 +33,10 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
   LoRA r 32 all-linear), no checkpointing in either, tokens counted from the fetched batches in
   both; then, with the budget's slack, the TRL row with Liger, and with its layers compiled.
   Needs ``.device-carry/llm-frameworks.tar.xz`` too (Axolotl's tree; bitsandbytes for TRL).
+- ``foundry``: LLM Foundry's full fine-tune (Composer's trainer; at world size 1 Foundry drops
+  its FSDP config) and the TRL full recipe as DDP on the ``full`` group's shape, tokens counted
+  from the fetched batches in both; needs
+  ``.device-carry/llm-foundry.tar.xz`` (``bash bench/llm_foundry_bundle.sh``) carried too.
 
     python bench/llm_speed.py --carry                   # here: copy the anchors to .device-carry
     bash bench/llm_speed.sh                             # there (GPU): GROUP=lora|full|quality
@@ -59,10 +63,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import llm_recipes_gpu as recipes_bench  # noqa: E402  (Run, execute, shapes: one launcher code)
-from _llm_speed_plans import gptoss_plan, qlora_plan  # noqa: E402
+from _llm_speed_plans import foundry_plan, gptoss_plan, qlora_plan  # noqa: E402
 
 ROOT = HERE.parent
-GROUPS = ("lora", "full", "quality", "frameworks", "gptoss", "qlora")
+GROUPS = ("lora", "full", "quality", "frameworks", "gptoss", "qlora", "foundry")
 LOSS_TOLERANCE = 0.02
 
 
@@ -170,6 +174,8 @@ def plan(group: str, smoke: bool) -> list[Item]:
         return gptoss_plan(smoke, _recipe, recipes_bench._shape)
     if group == "qlora":
         return qlora_plan(smoke, _recipe, recipes_bench._shape)
+    if group == "foundry":
+        return foundry_plan(smoke, _recipe, recipes_bench._shape)
     raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)} or all")
 
 
@@ -241,6 +247,8 @@ def ratios(runs: list[dict]) -> dict:
     for label in ("trl_qlora", "trl_qlora_liger", "trl_qlora_compiled"):
         out[f"{label}_vs_axolotl_qlora"] = ratio(_rate(by.get(label, {})),
                                                  _rate(by.get("axolotl_qlora", {})))
+    out["trl_full_1b_vs_foundry_1b"] = ratio(_rate(by.get("trl_full_1b", {})),
+                                             _rate(by.get("foundry_1b", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
     plain = _rate(by.get("gptoss_plain", {}))
     for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
@@ -278,6 +286,8 @@ def markdown(summary: dict) -> str:
             vs = rat.get(f"{r['label']}_vs_plain")
         if r["label"].startswith("trl_qlora"):                    # vs Axolotl's QLoRA
             vs = rat.get(f"{r['label']}_vs_axolotl_qlora")
+        if r["label"] == "trl_full_1b":                           # vs LLM Foundry's
+            vs = rat.get("trl_full_1b_vs_foundry_1b")
         rate, mfu, peak = (x.get(k) for k in ("steady_tokens_per_second", "mfu",
                                               "peak_memory_gib"))
         lines.append(f"| {r['row']} (`{r['label']}`) | {round(rate) if rate else '-'} | "

@@ -8,6 +8,8 @@
 #   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)
 #   GROUP=qlora TOTAL_S=560 bash bench/llm_speed.sh    # Axolotl vs TRL QLoRA, OLMo-3-7B (also carry
 #                                                      # .device-carry/llm-frameworks.tar.xz)
+#   GROUP=foundry bash bench/llm_speed.sh   # LLM Foundry vs TRL full, Llama-3.2-1B (also carry
+#                                           # .device-carry/llm-foundry.tar.xz, not the frameworks')
 # Carry .device-carry/llm-whl (bash bench/llm_recipes_gpu_wheels.sh --no-frameworks, here) and
 # .device-carry/anchors (python3 bench/llm_speed.py --carry, here).
 # Writes $OUT/llm_speed.{json,md}, $OUT/llm-speed-logs.tar.gz, $OUT/driver.log.
@@ -27,6 +29,12 @@ fi
 if [ -f .device-carry/llm-frameworks.tar.xz ] && [ ! -d /tmp/site-unsloth ]; then
   tar -C /tmp -xJf .device-carry/llm-frameworks.tar.xz || echo "unpacking the frameworks failed"
 fi
+# LLM Foundry's tree (bench/llm_foundry_bundle.sh): alone on its runs' PYTHONPATH, in front of
+# the machine's own packages (its transformers 4.51.3 shadows the machine's 5.17)
+if [ -f .device-carry/llm-foundry.tar.xz ] && [ ! -d /tmp/site-foundry ]; then
+  tar -C /tmp -xJf .device-carry/llm-foundry.tar.xz || echo "unpacking LLM Foundry failed"
+fi
+[ -d /tmp/site-foundry ] && export LLM_SITE_FOUNDRY=/tmp/site-foundry
 export LLM_SITE_UNSLOTH=/tmp/site-unsloth:/tmp/site-fwcommon
 [ -d /tmp/site-axolotl ] && export LLM_SITE_AXOLOTL=/tmp/site-axolotl:/tmp/site-fwcommon
 # the TRL QLoRA row: the TRL stack plus bitsandbytes alone, linked out of the bundle's common

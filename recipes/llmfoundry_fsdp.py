@@ -28,7 +28,10 @@
 # **Its own environment.** Every llm-foundry release (and mosaicml composer) pins
 # `torch<2.7.1`, so it cannot share ours (torch 2.14 on CPU, 2.11 on the lent GPU):
 # `bash scripts/recipe_venv.sh llmfoundry` builds one with torch 2.7.0, llm-foundry 0.22.0 and
-# composer 0.32.1 (7.1 GB), and this file runs with that environment's python.
+# composer 0.32.1 (7.1 GB), and this file runs with that environment's python. Or without one:
+# `bash bench/llm_foundry_bundle.sh --here` installs Foundry and what it imports with
+# `--no-deps` into a directory (no torch), which goes first on `PYTHONPATH` beside a newer
+# torch (trained on CPU with torch 2.14; the same tree is the lent GPU's carry).
 #
 # **On CPU** (2 gloo ranks): Composer's FSDP1 wrap needs CUDA (`device_id=
 # torch.cuda.current_device()`), so FSDP on CPU goes through Composer's FSDP2 path
@@ -82,7 +85,10 @@ def foundry_config(opts, *, model_dir: str, pretrained: bool, out_dir: str, on_g
         "device_eval_batch_size": opts.batch_size,
         "eval_interval": f"{max(1, min(opts.eval_steps, opts.max_steps))}ba", "eval_first": True,
         "model": {"name": "hf_causal_lm", "pretrained_model_name_or_path": model_dir,
-                  "pretrained": pretrained, "init_device": "mixed" if on_gpu and fsdp else "cpu",
+                  "pretrained": pretrained,
+                  # "mixed" (rank 0 loads, FSDP syncs the others) needs the FSDP config, which
+                  # Foundry itself drops at world size 1 (and then refuses "mixed")
+                  "init_device": "mixed" if on_gpu and fsdp and world_size > 1 else "cpu",
                   "use_flash_attention_2": False},
         "tokenizer": {"name": model_dir, "kwargs": {"model_max_length": opts.seq_len}},
         "precision": "amp_bf16" if on_gpu else "fp32",
@@ -290,8 +296,9 @@ if importlib.util.find_spec("llmfoundry") is None:
         "llmfoundry_fsdp needs llm-foundry, which is not installed here. Every llm-foundry "
         "release (and mosaicml composer) requires torch<2.7.1, so it lives in an environment of "
         "its own: `bash scripts/recipe_venv.sh llmfoundry` (torch 2.7.0, llm-foundry 0.22.0), "
-        "then run this recipe with that environment's python. It cannot share an environment "
-        "with torch 2.7.1 or later.")
+        "then run this recipe with that environment's python. Or, beside a newer torch: "
+        "`bash bench/llm_foundry_bundle.sh --here` (a --no-deps tree, no torch) and that tree "
+        "first on PYTHONPATH (recipes/LLM.md).")
 results = distributed(gpus=OPTS.gpus, timeout=OPTS.timeout)(train).distributed(OPTS)
 if results:
     check = results[0]["export_check"]

@@ -28,7 +28,7 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "28 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "30 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
