@@ -48,8 +48,8 @@ def qlora_plan(smoke: bool, recipe, shape_of) -> list:
     a 4-bit nf4 base, LoRA r 32 alpha 16 dropout 0.05 on all linear layers (the seed's).
 
     Both rows get the same explicit choices where a framework would otherwise decide alone:
-    no gradient checkpointing (the step fits without it: the 2026-12-03 Axolotl row peaked at
-    5.2 GiB with it), and tokens counted from the batches each optimizer step fetched
+    no gradient checkpointing (the step fits without it: 44 GiB at most on an H100, from
+    Axolotl's own log of 2026-12-07), and tokens counted from the batches each optimizer step fetched
     (``-x token_counter=batches``, the same counter in both). Axolotl's row runs on its carried
     tree (``site="axolotl"``: its pinned transformers 5.16.1 / trl 1.9.0 / peft 0.20.0); the
     TRL row runs the TRL stack plus bitsandbytes alone (``site="trl_qlora"``, see
