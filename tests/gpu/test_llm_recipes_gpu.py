@@ -190,6 +190,8 @@ def test_fast_settings_are_in_effect_on_gpu(tmp_path):
     assert speed["optim"] == "adamw_torch_fused" and speed["gradient_checkpointing"] is False
     assert speed["recompile_limit_hits"] == [], speed
     assert r["fused_lora"]["fused"] > 0 and r["compiled_layers"]["layer"] == "GptOssDecoderLayer"
+    # TRL asks for the router logits (aux loss): their hooks inside the layers are traced
+    assert r["compiled_layers"]["output_capture"] == "traced", r["compiled_layers"]
     check_measured(r)
 
 

@@ -146,7 +146,7 @@ def test_compile_layers_compiles_one_graph_for_every_layer_and_nothing_else(dyna
     torch._logging.set_logs(recompiles=True, dynamo=logging.INFO)
     model = _lora_llama(layers=3)
     report = compile_layers(model)
-    assert report == {"compiled": 3, "layer": "LlamaDecoderLayer"}
+    assert report == {"compiled": 3, "layer": "LlamaDecoderLayer", "output_capture": "traced"}
     layer_fn = type(model.base_model.model.model.layers[0]).forward.__code__.co_name
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
     for step, length in enumerate([60, 64, 70, 61, 66, 72]):   # rows of varying length

@@ -6,7 +6,8 @@ gpt-oss (2 layers, one sliding-window and one full, 4 experts, LoRA on all linea
   attention: logits, loss and every gradient (LoRA and the sinks themselves), with and without
   padding;
 - transformers' ``grouped_mm`` experts vs its eager loop over experts: the same;
-- the decoder layers compiled (grouped experts, sink attention): no graph break, same numbers.
+- the decoder layers compiled (grouped experts, sink attention): no graph break, same numbers;
+  also with the router logits captured (TRL's aux loss), no recompile per step.
 
 Not timings: those are ``bench/llm_speed.py --group gptoss`` on a GPU."""
 from __future__ import annotations
@@ -160,12 +161,95 @@ def test_compiled_gpt_oss_layers_have_no_graph_break_and_the_same_numbers():
     fuse_lora(model)
     torch._dynamo.reset()
     counters.clear()
-    assert compile_layers(model) == {"compiled": 2, "layer": "GptOssDecoderLayer"}
+    assert compile_layers(model) == {"compiled": 2, "layer": "GptOssDecoderLayer",
+                                     "output_capture": "traced"}
     for _ in range(2):
         got = _step(model, ids)
     _close(ref, got, atol=1e-5)
     assert dict(counters["graph_break"]) == {}
     assert counters["stats"]["unique_graphs"] <= 2    # layer 0 (input without grad), the rest
+
+
+class _ContextVarAsOldTorchSeesIt:
+    """transformers' collector ``ContextVar`` with a ``get`` Dynamo will not trace: what torch
+    before 2.14 made of ``ContextVar.get`` (a graph break in each output hook inside a compiled
+    layer: 19 logged on the H100, torch 2.11), here on any torch. Not a subclass: ContextVar
+    allows none."""
+
+    def __init__(self, var):
+        self.var = var
+
+    @torch._dynamo.disable
+    def get(self, *default):
+        return self.var.get(*default)
+
+    def set(self, value):
+        return self.var.set(value)
+
+    def reset(self, token):
+        self.var.reset(token)
+
+
+def _aux_step(model, ids):
+    """One step as TRL's SFTTrainer takes it for a MoE with ``router_aux_loss_coef``:
+    ``output_router_logits=True``, so transformers' output hooks record every router's logits
+    (hooks on modules inside the compiled layers) and the loss includes the aux loss."""
+    model.zero_grad()
+    out = model(input_ids=ids, labels=ids, output_router_logits=True, use_cache=False)
+    out.loss.backward()
+    grads = {n: x.grad.float().clone() for n, x in model.named_parameters() if x.grad is not None}
+    return out.loss.detach(), out.aux_loss.detach(), [r.detach() for r in out.router_logits], grads
+
+
+@pytest.mark.slow
+def test_compiled_layers_capture_router_logits_without_graph_breaks_or_recompiles(monkeypatch):
+    from torch._dynamo.utils import counters
+    from transformers.utils import output_capturing
+
+    from gpulaunch.hf import compile_layers, fuse_lora
+    var = output_capturing._active_collector
+    monkeypatch.setattr(var, "context_var", _ContextVarAsOldTorchSeesIt(var.context_var))
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(4))
+    ref = _aux_step(_model(NAME, "grouped_mm"), ids)
+    assert len(ref[2]) == 2 and ref[1] > 0             # one router per layer; an aux loss
+    model = _model(NAME, "grouped_mm")
+    fuse_lora(model)
+    torch._dynamo.reset()
+    counters.clear()
+    report = compile_layers(model)
+    graphs = []
+    for _ in range(6):                                  # a new collector dict every forward
+        got = _aux_step(model, ids)
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert dict(counters["graph_break"]) == {}
+    # layer 0 (input without grad) and the rest, both compiled in step 1; nothing after
+    assert graphs[0] <= 2 and graphs == graphs[:1] * 6, graphs
+    loss, aux, routers, grads = got
+    torch.testing.assert_close(loss, ref[0], rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(aux, ref[1], rtol=1e-6, atol=1e-6)
+    assert len(routers) == 2
+    for r, e in zip(routers, ref[2]):
+        torch.testing.assert_close(r, e, rtol=1e-5, atol=1e-6)
+    assert grads.keys() == ref[3].keys() and any("lora" in n for n in grads)
+    for n in grads:
+        torch.testing.assert_close(grads[n], ref[3][n], rtol=1e-5, atol=1e-6, msg=n)
+    # without the capture asked for, the same graphs serve (no hook records anything)
+    _step(model, ids)
+    assert counters["stats"]["unique_graphs"] <= graphs[0] + 2
+    assert report["output_capture"] == "traced"
+
+
+@pytest.mark.unit
+def test_compile_layers_falls_back_where_transformers_has_no_compileable_collector(monkeypatch):
+    from transformers.utils import output_capturing
+
+    from gpulaunch.hf import compile_layers
+    monkeypatch.delattr(output_capturing, "_active_collector")
+    model = _model(NAME, "grouped_mm")
+    report = compile_layers(model)
+    assert report["compiled"] == 2 and "no CompileableContextVar" in report["output_capture"]
+    layer = model.base_model.model.model.layers[0]
+    assert hasattr(layer.forward, "_torchdynamo_orig_callable")   # the compiled forward itself
 
 
 @pytest.mark.unit
