@@ -127,7 +127,13 @@ def compile_layers(trainer, s) -> dict | None:
     if s is None or not s.compile_layers:
         return None
     from gpulaunch.hf import compile_layers as compile_them
-    return compile_them(trainer.model)
+    units = None
+    if getattr(s, "zero3_layers", False):
+        # ZeRO-3: each layer one DeepSpeed unit first, so its hooks stay outside the graph
+        from gpulaunch.hf import zero3_layer_units
+        units = zero3_layer_units(trainer.model)["units"]
+    report = compile_them(trainer.model)
+    return report if units is None else {**report, "zero3_units": units}
 
 
 def summary(s) -> dict | None:
@@ -135,7 +141,7 @@ def summary(s) -> dict | None:
     if s is None:
         return None
     values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora,
-              "compile_layers": s.compile_layers}
+              "compile_layers": s.compile_layers, "zero3_layers": s.zero3_layers}
     out = {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}
     if s.notes:
         out["notes"] = {"value": list(s.notes), "why": "advice beyond these settings"}

@@ -135,18 +135,28 @@ def test_planner_turns_checkpointing_on_only_when_memory_needs_it(as_if_gpu):
     assert forced.trainer_args["gradient_checkpointing"] is False
 
 
-def test_compile_is_off_for_zero3_and_moe_unless_asked(as_if_gpu):
+def test_zero3_compiles_layers_as_zero3_units_and_moe_loops_stay_eager(as_if_gpu):
+    # ZeRO-3 on a GPU: the layers compile, each made one ZeRO-3 unit first (zero3_layers), so
+    # DeepSpeed's hooks sit around the compiled forward (tests/recipes/test_zero3_layers.py)
     z = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", micro_batch_size=4, **as_if_gpu)
-    assert z.trainer_args["torch_compile"] is False and z.compile_layers is False
-    assert "ZeRO-3" in z.reasons["compile_layers"]
-    assert "pad_to_multiple_of" not in z.trainer_args
+    assert z.trainer_args["torch_compile"] is False and z.compile_layers is True
+    assert z.zero3_layers is True and "ZeRO-3" in z.reasons["compile_layers"]
+    assert "gathered whole" in z.reasons["zero3_layers"] and "zero3_layers" in str(z)
+    assert z.trainer_args["pad_to_multiple_of"] == 64
+    eager = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", compile=False, **as_if_gpu)
+    assert eager.compile_layers is False and eager.zero3_layers is False
+    assert speed_settings(LlamaConfig(**LLAMA_1B), technique="ddp",
+                          **as_if_gpu).zero3_layers is False
+    cpu = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", device="cpu")
+    assert cpu.compile_layers is False and cpu.zero3_layers is False
     # an MoE whose experts transformers loops over (gpt-oss' grouped experts: test_gptoss_speed)
     moe = {**LLAMA_1B, "num_local_experts": 32}
     m = speed_settings(moe, gradient_checkpointing=False, **as_if_gpu)
     assert m.trainer_args["torch_compile"] is False and m.compile_layers is False
     forced = speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", compile=True,
-                            **as_if_gpu)
+                            device="cpu")
     assert forced.compile_layers is True and forced.trainer_args["torch_compile"] is False
+    assert forced.zero3_layers is True
     whole = speed_settings(LlamaConfig(**LLAMA_1B), compile="model", **as_if_gpu)
     assert whole.trainer_args["torch_compile"] is True and whole.compile_layers is False
     packed = speed_settings(LlamaConfig(**LLAMA_1B), packed=True, **as_if_gpu)

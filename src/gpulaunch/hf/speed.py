@@ -19,8 +19,9 @@ What it decides (GPU / CPU):
 - ``optim="adamw_torch_fused"``: one kernel for the whole AdamW step on a GPU.
 - ``compile_layers`` (not a trainer field; ``gpulaunch.hf.compile_layers(trainer.model)`` after
   the trainer is built): ``torch.compile`` of each decoder layer's forward, one graph for all of
-  them, on a GPU except under ZeRO-3 (DeepSpeed hooks every submodule, inside the layer) and
-  for MoE models whose experts transformers runs as a Python loop over the routed experts
+  them, on a GPU; under ZeRO-3 with each layer one ZeRO-3 unit (``zero3_layers``:
+  ``gpulaunch.hf.zero3_layer_units(trainer.model)`` first, so DeepSpeed's hooks sit around the
+  layer, not inside it); except for MoE models whose experts transformers runs as a Python loop over the routed experts
   (``nonzero``: a graph break and a graph per routing); MoE experts run as grouped GEMMs
   (``experts_implementation="grouped_mm"``) trace into one graph; FSDP2's and DDP's hooks sit around the
   layer and stay eager. ``trainer_args["torch_compile"]`` stays False: compiling the whole
@@ -76,11 +77,13 @@ class SpeedSettings:
     fuse_lora: bool
     reasons: dict = field(default_factory=dict)   # setting -> why
     compile_layers: bool = False     # gpulaunch.hf.compile_layers(trainer.model) before train()
+    zero3_layers: bool = False       # gpulaunch.hf.zero3_layer_units(trainer.model), before that
     notes: list = field(default_factory=list)     # advice beyond these fields (the technique)
 
     def __str__(self) -> str:
         rows = [*self.trainer_args.items(), *self.model_kwargs.items(),
-                ("fuse_lora", self.fuse_lora), ("compile_layers", self.compile_layers)]
+                ("fuse_lora", self.fuse_lora), ("compile_layers", self.compile_layers),
+                *([("zero3_layers", True)] if self.zero3_layers else [])]
         width = max(len(k) for k, _ in rows)
         return "\n".join([f"{k:<{width}}  {v!r:<22} {self.reasons.get(k, '')}" for k, v in rows]
                          + [f"note: {n}" for n in self.notes])
@@ -198,17 +201,18 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
         raise ValueError(f"speed_settings(compile={compile!r}): use True (the decoder layers), "
                          "'model' (the trainer's whole-model torch_compile), False, or None")
     if compile is None:
-        compile = gpu and technique != "zero3" and (not moe or (grouped and not adapted_experts))
+        compile = gpu and (not moe or (grouped and not adapted_experts))
         why["compile_layers"] = (
-            "ZeRO-3 hooks every submodule, inside the layers" if gpu and technique == "zero3" else
             "MoE: transformers loops over experts (a graph per routing)" if gpu and moe
             and not grouped else
             "MoE with LoRA on the experts: peft's parametrized expert weights break the graph "
             "(set_/delattr in every step)" if gpu and moe and adapted_experts else
             "GPU, MoE with grouped_mm experts: no data-dependent loop, one compiled graph serves "
             "every decoder layer; hooks stay outside" if gpu and moe else
-            "GPU: one compiled graph serves every decoder layer; hooks stay outside" if gpu else
-            "CPU: compile time outweighs the gain")
+            "GPU, ZeRO-3 with each decoder layer one unit (zero3_layers): one compiled graph "
+            "serves every layer; DeepSpeed's hooks stay outside" if gpu and technique == "zero3"
+            else "GPU: one compiled graph serves every decoder layer; hooks stay outside" if gpu
+            else "CPU: compile time outweighs the gain")
     else:
         why["compile_layers"] = "asked for"
     whole = compile == "model"
@@ -274,12 +278,19 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
         notes.append(_one_process_note(cfg, technique, seq_len=seq_len, lora_rank=lora_rank,
                                        micro_batch_size=micro_batch_size,
                                        gpu_memory_bytes=gpu_memory_bytes))
-    return SpeedSettings(args, model_kwargs, fuse, why, compile_layers=layers, notes=notes)
+    zero3_layers = layers and technique == "zero3"
+    if zero3_layers:
+        why["zero3_layers"] = ("compiled under ZeRO-3: each decoder layer gathered whole by one "
+                               "hook pair, none inside the compiled layer (per-submodule hooks "
+                               "break its graph at every linear)")
+    return SpeedSettings(args, model_kwargs, fuse, why, compile_layers=layers, notes=notes,
+                         zero3_layers=zero3_layers)
 
 
 def _one_process_note(cfg: dict, technique: str, **kw) -> str:
-    """One process shards nothing: ZeRO-3 and FSDP only add their hooks (and ZeRO-3's keep the
-    layers from compiling). Say so, with the planner's word on whether plain DDP fits."""
+    """One process shards nothing: ZeRO-3 and FSDP only add their hooks (and, for ZeRO-3, fp32
+    master weights and a gather per layer). Say so, with the planner's word on whether plain
+    DDP fits."""
     from ..planner import plan
     from ..planner.hf_config import from_dict
     ddp = plan(from_dict(cfg), strategies=["ddp"], gpus_per_node=1, **kw).estimates[0]
@@ -288,6 +299,4 @@ def _one_process_note(cfg: dict, technique: str, **kw) -> str:
             f"{(ddp.peak_device + ddp.headroom) / gib:.0f} GiB, so technique='ddp' is the faster "
             "choice here" if ddp.fits else
             f"DDP would need {ddp.peak_device / gib:.1f} GiB (over this GPU), so keep {technique}")
-    return (f"one process: {technique} shards nothing and only adds its hooks"
-            + (" (which also keep the decoder layers from compiling)" if technique == "zero3"
-               else "") + f"; {fits}")
+    return f"one process: {technique} shards nothing and only adds its hooks; {fits}"
