@@ -215,6 +215,20 @@ def _rate(run):
     return (run.get("result") or {}).get("steady_tokens_per_second")
 
 
+def _median_rate(run):
+    """Tokens/s at the median steady step (mean tokens of a steady step / median step time):
+    a few stalled steps in a short window move it little, where they move the mean rate much
+    (the TRL QLoRA row of 2026-12-07: 0.87x Axolotl by the mean, 0.99x by the median step)."""
+    import statistics
+    x = run.get("result") or {}
+    times, toks = x.get("step_times") or [], x.get("step_tokens") or []
+    skip = x.get("warmup_steps_skipped") or 0
+    times, toks = times[skip:], toks[skip:]
+    if not times or len(times) != len(toks):
+        return None
+    return (sum(toks) / len(toks)) / statistics.median(times)
+
+
 def _mean(vals):
     vals = [v for v in vals if v]
     return sum(vals) / len(vals) if vals else None
@@ -247,6 +261,8 @@ def ratios(runs: list[dict]) -> dict:
     for label in ("trl_qlora", "trl_qlora_liger", "trl_qlora_compiled"):
         out[f"{label}_vs_axolotl_qlora"] = ratio(_rate(by.get(label, {})),
                                                  _rate(by.get("axolotl_qlora", {})))
+        out[f"{label}_vs_axolotl_qlora_median_step"] = ratio(
+            _median_rate(by.get(label, {})), _median_rate(by.get("axolotl_qlora", {})))
     out["trl_full_1b_vs_foundry_1b"] = ratio(_rate(by.get("trl_full_1b", {})),
                                              _rate(by.get("foundry_1b", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
