@@ -125,8 +125,12 @@ def plan(group: str, smoke: bool) -> list[Item]:
         z3 = one_b
         return [anchor("anchor_full_1", "full", role="anchor_full"),
                 _recipe("zero3_fast", group, "trl_sft_full_zero3", z3, role="fast",
-                        row="trl_sft_full_zero3 --speed auto (tuned ZeRO-3)", est_s=60,
-                        smoke=smoke),
+                        row="trl_sft_full_zero3 --speed auto (tuned ZeRO-3, each layer one "
+                        "ZeRO-3 unit, compiled)", est_s=70, smoke=smoke),
+                # what compiling the layers as ZeRO-3 units adds, in the same call
+                _recipe("zero3_fast_eager", group, "trl_sft_full_zero3",
+                        z3 + ["-x", "compile=false"], role="variant", smoke=smoke,
+                        row="trl_sft_full_zero3 --speed auto -x compile=false", est_s=60),
                 _recipe("zero3_plain", group, "trl_sft_full_zero3", z3 + plain, role="plain",
                         row="trl_sft_full_zero3 --speed off (the seed's ZeRO-3 dict)", est_s=50,
                         smoke=smoke),
@@ -142,9 +146,8 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("zero3_fast_accelerate", group, "trl_sft_full_zero3", z3,
                         role="accelerate_fast", launcher="accelerate", smoke=smoke,
                         row="--speed auto under accelerate launch --use_deepspeed", est_s=60),
-                # one GPU: ZeRO-3 shards nothing and its hooks keep the layers from compiling;
-                # the same recipe as plain DDP (compiled layers, fused AdamW) is what one
-                # process can do, against the same anchor
+                # one GPU: ZeRO-3 shards nothing; the same recipe as plain DDP (compiled
+                # layers, fused AdamW) is what one process can do, against the same anchor
                 _recipe("full_ddp_fast", group, "trl_sft_full_zero3",
                         z3 + ["-x", "technique=ddp"], role="variant", smoke=smoke,
                         row="trl_sft_full_zero3 --speed auto -x technique=ddp", est_s=60),
@@ -256,6 +259,7 @@ def ratios(runs: list[dict]) -> dict:
     out["zero3_fast_vs_plain"] = ratio(z["zero3_fast"], z["zero3_plain"])
     out["zero3_plain_omp1_vs_plain"] = ratio(z["zero3_plain_omp1"], z["zero3_plain"])
     out["zero3_fast_vs_anchor_full"] = ratio(z["zero3_fast"], anchor_full)
+    out["zero3_fast_vs_eager"] = ratio(z["zero3_fast"], _rate(by.get("zero3_fast_eager", {})))
     out["trl_lora_3b_vs_unsloth_3b"] = ratio(_rate(by.get("trl_lora_3b", {})),
                                              _rate(by.get("unsloth_3b", {})))
     for label in ("trl_qlora", "trl_qlora_liger", "trl_qlora_compiled"):

@@ -28,7 +28,7 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "30 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "31 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
@@ -62,12 +62,14 @@ def test_ratios_and_loss_checks():
             run("lora_ddp_fast", "fast", 61_200, 8.00), run("lora_ddp_plain", "plain", 30_000, 8.10),
             run("zero3_fast", "fast", 40_000, 7.70), run("zero3_plain", "plain", 16_000, 7.00),
             run("zero3_plain_accelerate", "accelerate", 20_000),
+            run("zero3_fast_eager", "variant", 25_000),
             run("anchor_full_1", "anchor_full", 50_000),
             run("gptoss_plain", "plain", 3_312, 10.0), run("gptoss_fast", "fast", 6_624, 10.1)]
     r = llm_speed.ratios(runs)
     assert r["anchor_lora_tokens_per_second"] == 51_000
     assert r["lora_ddp_fast_vs_anchor_lora"] == 1.2
     assert r["zero3_fast_vs_accelerate_plain"] == 2.0 and r["zero3_fast_vs_anchor_full"] == 0.8
+    assert r["zero3_fast_vs_eager"] == 1.6
     assert r["lora_fsdp_fast_vs_anchor_lora"] is None               # not run: no ratio
     checks = llm_speed.loss_checks(runs)
     assert checks["lora_ddp_fast"]["ok"] is True                     # 1.2% apart
