@@ -128,7 +128,7 @@ def compile_layers(trainer, s) -> dict | None:
         return None
     from gpulaunch.hf import compile_layers as compile_them
     units = None
-    if getattr(s, "zero3_layers", False):
+    if s.zero3_layers:
         # ZeRO-3: each layer one DeepSpeed unit first, so its hooks stay outside the graph
         from gpulaunch.hf import zero3_layer_units
         units = zero3_layer_units(trainer.model)["units"]

@@ -21,8 +21,8 @@ What it decides (GPU / CPU):
   the trainer is built): ``torch.compile`` of each decoder layer's forward, one graph for all of
   them, on a GPU; under ZeRO-3 with each layer one ZeRO-3 unit (``zero3_layers``:
   ``gpulaunch.hf.zero3_layer_units(trainer.model)`` first, so DeepSpeed's hooks sit around the
-  layer, not inside it); except for MoE models whose experts transformers runs as a Python loop over the routed experts
-  (``nonzero``: a graph break and a graph per routing); MoE experts run as grouped GEMMs
+  layer, not inside it); except for MoE models whose experts transformers runs as a Python
+  loop over the routed experts (``nonzero``: a graph break and a graph per routing); MoE experts run as grouped GEMMs
   (``experts_implementation="grouped_mm"``) trace into one graph; FSDP2's and DDP's hooks sit around the
   layer and stay eager. ``trainer_args["torch_compile"]`` stays False: compiling the whole
   model also traces TRL's chunked LM head, whose scored-position count changes every batch on
