@@ -13,7 +13,7 @@ recompile until Dynamo's recompile limit (measured on an H200, torch 2.11: the c
 recipe ran slower than the uncompiled one). Uncompiled, the hooks are the step's CPU cost: with
 one process the tuned ZeRO-3 recipe ran at 0.44x a compiled full fine-tuning loop.
 
-DeepSpeed's "leaf modules" (``deepspeed.utils.set_z3_leaf_module``) move those hooks to one
+DeepSpeed's "leaf modules" (``deepspeed.utils.set_z3_leaf_modules``) move those hooks to one
 module: a leaf gathers all of its parameters (its submodules' included) in one all-gather
 before its forward and backward and releases them after, and nothing inside it is hooked. Made
 leaves, the decoder layers are ZeRO-3's unit the way a ``fully_shard``ed block is FSDP2's, so
@@ -35,7 +35,8 @@ def zero3_layer_units(model) -> dict:
     Trainer calls in ``train()``): DeepSpeed reads the flag when it registers its hooks.
     Returns ``{"units": n, "layer": class name}``."""
     try:
-        from deepspeed.utils import set_z3_leaf_module
+        # by class, DeepSpeed's documented call (deepspeed 0.16.0 has it with this signature)
+        from deepspeed.utils import set_z3_leaf_modules
     except ImportError as e:
         raise ImportError("zero3_layer_units needs DeepSpeed: pip install deepspeed") from e
     layers = find_layers(model)
@@ -49,6 +50,5 @@ def zero3_layer_units(model) -> dict:
         raise RuntimeError(
             "zero3_layer_units: DeepSpeed has already wrapped this model (its ZeRO-3 hooks are "
             "on the submodules); call it before deepspeed.initialize / trainer.train()")
-    for layer in layers:
-        set_z3_leaf_module(layer, True)
+    set_z3_leaf_modules(model, list(dict.fromkeys(type(layer) for layer in layers)))
     return {"units": len(layers), "layer": type(layers[0]).__name__}
