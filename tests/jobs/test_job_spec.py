@@ -163,3 +163,12 @@ def test_rank_filter_reads_both_launch_prefixes():
     assert _keep("[node 0 rank 1] loss 2.0", 1) == "loss 2.0"       # a launch over Ray
     assert _keep("[rank 11] loss", 1) is None and _keep("gpulaunch: run x", 1) is None
     assert _keep("GPULAUNCH_ATTEMPT_RESULT {}", None) is None
+
+
+def test_a_long_cause_keeps_its_head_and_tail_and_says_where_the_rest_is():
+    from gpulaunch.jobs.targets import bounded_cause
+    assert bounded_cause("short", "the log") == "short"
+    text = "runtime_env setup failed\n" + "x" * 100_000 + "\nERROR: No space left on device"
+    cut = bounded_cause(text, "the attempt's log", limit=400)
+    assert cut.startswith("runtime_env setup failed") and cut.endswith("No space left on device")
+    assert len(cut) < 600 and "characters left out" in cut and "the attempt's log" in cut

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -26,6 +27,17 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _sweep_stale_tmpdirs() -> None:
+    """Remove the temp folders of earlier runs of this module that were killed before their
+    teardown (their pid is gone). Each holds a copy of the test virtualenv per pip runtime
+    environment (Ray clones the driver's virtualenv: about 7 GB here), so a few of them fill
+    the disk, and then every pip environment fails with ENOSPC."""
+    for d in Path("/tmp").glob("rj-*"):
+        pid = d.name[3:]
+        if pid.isdigit() and not psutil.pid_exists(int(pid)):
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _raylet_error(tmpdir: str) -> str:
@@ -48,6 +60,7 @@ def _unstartable(why: str):
 def ray_head(tmp_path_factory):
     pytest.importorskip("ray.job_submission")
     base = tmp_path_factory.mktemp("rayjobs")
+    _sweep_stale_tmpdirs()
     tmpdir = f"/tmp/rj-{os.getpid()}"
     port = _free_port()
     env = python_env({"RAY_TMPDIR": tmpdir, "RAY_AUTH_MODE": "disabled", "PIP_NO_INDEX": "1",
@@ -105,12 +118,16 @@ def ray_head(tmp_path_factory):
         except subprocess.TimeoutExpired:
             os.killpg(head.pid, signal.SIGKILL)
             head.wait()
+        left = []
         for p in psutil.process_iter():      # this cluster's processes only (its socket dir)
             try:
                 if any(tmpdir in a for a in p.cmdline()):
                     p.kill()
+                    left.append(p)
             except psutil.Error:
                 pass
+        psutil.wait_procs(left, timeout=30)
+        shutil.rmtree(tmpdir, ignore_errors=True)   # its runtime envs: gigabytes each
 
 
 def _spec(tmp_path, address: str, extra: str = "", name: str = "t"):
@@ -120,6 +137,11 @@ def _spec(tmp_path, address: str, extra: str = "", name: str = "t"):
                                  f"    address: {address}\n")
     spec.write_text(text + extra)
     return spec
+
+
+def _why(d: dict) -> str:
+    """What a failed job's attempts say, for an assertion message (pytest cuts the dict)."""
+    return json.dumps([(a.get("state"), a.get("cause")) for a in d.get("attempts", [])])[-4000:]
 
 
 def test_ray_job_installs_requirements_runs_and_logs(ray_head, tmp_path, gpulaunch_home):
@@ -135,7 +157,7 @@ def test_ray_job_installs_requirements_runs_and_logs(ray_head, tmp_path, gpulaun
                  'print(f"rank {r} done", rayjobdep.VALUE, flush=True)'))
     job_id = gl("job", "run", spec).stdout.strip()
     d = wait_state(job_id, timeout=500)
-    assert d["state"] == "SUCCEEDED", d
+    assert d["state"] == "SUCCEEDED", _why(d)
     assert d["attempts"][0]["ray_submission_id"] == f"{job_id}-a1"
     logs = gl("job", "logs", job_id).stdout
     assert "[node 0 rank 1] rank 1 done installed by the Ray job" in logs, logs
@@ -143,10 +165,12 @@ def test_ray_job_installs_requirements_runs_and_logs(ray_head, tmp_path, gpulaun
         ["rank 0 sum 3.0", "rank 0 done installed by the Ray job"]
 
     d = wait_state(bad_id, timeout=300)
-    assert d["state"] == "FAILED", d
+    assert d["state"] == "FAILED", _why(d)
     cause = d["attempts"][0]["cause"]
     assert f"Ray job {bad_id}-a1 ended FAILED" in cause, cause
     assert "gpulaunch-no-such-dep==9.9" in cause, cause               # pip's words, via Ray
+    assert len(cause) < 3200, len(cause)                              # bounded; whole in the log
+    assert "gpulaunch-no-such-dep==9.9" in gl("job", "logs", bad_id).stdout
 
 
 def test_ray_cancel_stops_the_ray_job_and_its_ranks(ray_head, tmp_path, gpulaunch_home):

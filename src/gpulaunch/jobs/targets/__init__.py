@@ -19,6 +19,7 @@ from pathlib import Path
 from ..store import JobDir
 
 LOG_TAIL_LINES = 20
+CAUSE_MAX_CHARS = 3000
 
 
 def for_spec(spec, job: JobDir):
@@ -48,6 +49,18 @@ def log_tail(path: Path, lines: int = LOG_TAIL_LINES) -> str:
         return ""
     from ..attempt import MARKER
     return "\n".join(line for line in text[-lines:] if not line.startswith(MARKER))
+
+
+def bounded_cause(text: str, where: str, limit: int = CAUSE_MAX_CHARS) -> str:
+    """A cause of at most about ``limit`` characters: its head (what failed) and its tail (the
+    last error, where pip and tracebacks put theirs). A runtime environment that fails on a
+    full disk makes Ray answer with one line per file it could not copy, 100 KB and more;
+    the whole text stays in ``where`` for whoever needs it."""
+    if len(text) <= limit:
+        return text
+    half = limit // 2
+    return (f"{text[:half]}\n... ({len(text) - 2 * half} characters left out; the whole "
+            f"message is in {where}) ...\n{text[-half:]}")
 
 
 def result_of(job: JobDir, n: int, fallback_cause: str) -> dict:

@@ -19,6 +19,7 @@ import time
 
 from ..attempt import ENV, MARKER
 from ..store import JobState
+from . import bounded_cause
 
 TERMINAL = ("SUCCEEDED", "FAILED", "STOPPED")
 LOG_EVERY_S = 2.0
@@ -103,9 +104,15 @@ class RayTarget:
                 rec = json.loads(line[len(MARKER):])
                 break
         if rec is None:
+            # ended before the attempt printed its record (its runtime environment failed, or
+            # it was stopped): Ray's own message says why; the whole of it goes to the log
             info = self.client().get_job_info(sid)
             why = f"Ray job {sid} ended {status}: {(info.message or '').strip()}"
-            rec = {"state": "CANCELLED" if status == "STOPPED" else "FAILED", "cause": why,
+            path = self.job.attempt_file(self._n, "log")
+            with open(os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600), "a") as f:
+                f.write(("\n" if text and not text.endswith("\n") else "") + why + "\n")
+            cause = bounded_cause(why, f"the attempt's log (gpulaunch job logs {self.job.job_id})")
+            rec = {"state": "CANCELLED" if status == "STOPPED" else "FAILED", "cause": cause,
                    "ended": time.time()}
         rec["ray_status"] = status
         return rec
