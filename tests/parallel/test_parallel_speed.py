@@ -31,7 +31,7 @@ from gpulaunch.parallel.reference_model import LLAMA_1B, Llama, LlamaConfig
 CFG = LlamaConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, max_seq_len=32)
 STEPS = 3
 COMPILE_ATOL = 1e-4
-COMPILED = ["ddp", "fsdp", "fsdp_ac"] + (["zero2"] if HAVE_DS else [])
+COMPILED = ["ddp", "fsdp", "fsdp_ac"] + (["zero2", "zero3"] if HAVE_DS else [])
 
 
 def _train(p, rank, world, steps=STEPS):
@@ -62,6 +62,7 @@ def job_compiled_vs_eager(variants):
             out[(name, compiled)] = _train(p, rank, world)
             # graphs dynamo compiled: 0 would mean compile=True silently ran eagerly
             out[(name, compiled, "graphs")] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+            out[(name, compiled, "breaks")] = sum(torch._dynamo.utils.counters["graph_break"].values())
     return out
 
 
@@ -75,7 +76,8 @@ def compiled_results():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_ac", pytest.param("zero2", marks=needs_ds)])
+@pytest.mark.parametrize("name", ["ddp", "fsdp", "fsdp_ac", pytest.param("zero2", marks=needs_ds),
+                                  pytest.param("zero3", marks=needs_ds)])
 def test_compiled_loss_equals_eager(name):
     res = compiled_results()
     eager, compiled = res[(name, False)], res[(name, True)]
@@ -83,6 +85,8 @@ def test_compiled_loss_equals_eager(name):
     assert res[(name, False, "graphs")] == 0 and res[(name, True, "graphs")] > 0, res
     if name.startswith("fsdp"):   # FSDP2's hooks split it: rotary tables, the block (shared), the head
         assert res[(name, True, "graphs")] >= 3, res
+    if name == "zero3":   # each block one ZeRO-3 unit: its hooks outside, one graph for all blocks
+        assert res[(name, True, "breaks")] == 0, res
     diff = max(abs(a - b) for a, b in zip(eager, compiled))
     print(f"{name}: max |compiled - eager| = {diff:.3g}, {res[(name, True, 'graphs')]} graphs")
     assert diff <= COMPILE_ATOL, f"{name}: compiled {compiled} vs eager {eager} (max diff {diff:.3g})"

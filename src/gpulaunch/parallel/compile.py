@@ -13,8 +13,12 @@ Where compilation goes (``prepare(..., compile=True)``):
   head and the loss are compiled as well. FSDP2's hooks run eagerly between the graphs
   (``torch._dynamo.config.skip_fsdp_hooks``, on by default), so every block keeps its own
   all-gather / reduce-scatter overlap.
-* ``zero1/2/3``: DeepSpeed's own ``engine.compile()``, which compiles the whole wrapped module in
-  place; DeepSpeed's hooks (ZeRO-3's parameter gathering) stay outside the graphs.
+* ``zero1/2``: DeepSpeed's own ``engine.compile()``, which compiles the whole wrapped module in
+  place (ZeRO-1/2 hook no module).
+* ``zero3``: each block one ZeRO-3 unit (DeepSpeed's leaf modules: gathered whole before its
+  forward and backward, nothing inside it hooked), then each block's forward compiled; the rest
+  stays eager. ZeRO-3 otherwise hooks every submodule and a compiled block would break its graph
+  at each hook (``parallel/zero.py``).
 """
 
 from __future__ import annotations
