@@ -50,7 +50,9 @@ OURS = [("1b", "ddp+compile"), ("1b", "fsdp+compile"), ("1b", "fsdp+compile+fp8"
         ("recipe", "plain+compile"), ("recipe", "fsdp+compile"), ("1b", "none+compile"),
         ("1b", "fsdp+compile+chunked")]
 LAST = [("1b", "anchor+compile,anchor")]
-OPTIONAL = [("1b", "zero2+compile")]   # runs where DeepSpeed is importable and time is left
+# runs where DeepSpeed is importable and time is left; zero3+compile: each block one ZeRO-3
+# unit, compiled (not yet measured on a GPU)
+OPTIONAL = [("1b", "zero2+compile"), ("1b", "zero3+compile")]
 # (row, reference row, target ratio, what the issue asks)
 TARGETS = [("1b ddp+compile", "1b anchor+compile", 1.10, "prepare()+compile, DDP >= 1.1x anchor compiled"),
            ("1b fsdp+compile", "1b anchor+compile", 1.10, "prepare()+compile, FSDP2 >= 1.1x anchor compiled"),
