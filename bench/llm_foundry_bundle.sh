@@ -40,7 +40,8 @@ FOUNDRY="llm-foundry==0.22.0 mosaicml==0.32.1 mosaicml-cli==0.7.5 mosaicml-strea
   cramjam==2.14.0 zstd==1.5.6.1 setuptools==80.10.2 importlib-metadata==8.9.0
   gitpython==3.1.44 gitdb==4.0.12 smmap==5.0.3 beautifulsoup4==4.15.0 platformdirs==4.14.9
   mlflow-skinny==2.22.5 databricks-sdk==0.55.0 google-auth==2.40.3 rsa==4.9.1 pyasn1==0.6.5
-  pyasn1-modules==0.4.2 cachetools==8.0.3 sqlparse==0.6.1 opentelemetry-api==1.45.3
+  pyasn1-modules==0.4.2 cachetools==8.0.3 sqlparse==0.6.1 opentelemetry-api==1.45.2
+  opentelemetry-sdk==1.45.2 opentelemetry-semantic-conventions==0.66b2
   pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5"
 # setuptools < 81: Foundry's environment logger imports pkg_resources, which 81 removed.
 # Here only: tabulate, which the GPU image has and this machine's venv does not.

@@ -88,6 +88,8 @@ def train(opts: options.RecipeOptions) -> dict:
         return sft.sft_config(opts, technique=technique, output_dir=out_dir, device=device,
                               prec=prec, decoder_layer=arch.decoder_layer,
                               speed_overrides=speed_args, model_config=model_config,
+                              zero3_compiled=bool(fast and fast.compile_layers
+                                                  and fast.zero3_layers),
                               assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
 
     if opts.model is not None:

@@ -52,7 +52,8 @@ def torch_dtype(prec: str):
 
 
 def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
-                    block_numel: int | None = None, hidden_size: int | None = None) -> dict:
+                    block_numel: int | None = None, hidden_size: int | None = None,
+                    compiled: bool = False) -> dict:
     """The seed notebook's ZeRO-3 dict (T/sgc-sft-trl-deepspeed-llama-1b), generated on each rank.
     ``stage3_gather_16bit_weights_on_model_save`` is what makes ``save_model`` write the full
     tensors; without it the saved safetensors hold ZeRO-3's empty placeholders.
@@ -60,7 +61,9 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
     ``tuned`` (``--speed auto``): the bucket, prefetch and persistence keys from
     ``gpulaunch.parallel.zero.zero_speed_settings`` instead of the seed's ``"auto"`` (which HF
     fills from hidden_size: buckets too small to prefetch one MLP weight) and its persistence
-    threshold 0 (every norm weight partitioned and gathered twice a step)."""
+    threshold 0 (every norm weight partitioned and gathered twice a step). ``compiled`` (the
+    layers compiled as ZeRO-3 units): ``memory_efficient_linear`` off, see
+    ``gpulaunch.parallel.zero.plain_linear``."""
     seed = {
         "fp16": {"enabled": False},
         "bf16": {"enabled": bf16},
@@ -87,7 +90,7 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
         from gpulaunch.parallel.zero import zero_speed_settings
         seed["zero_optimization"].update(
             zero_speed_settings(3, on_gpu=on_gpu, block_numel=block_numel,
-                                hidden_size=hidden_size))
+                                hidden_size=hidden_size, compiled=compiled))
     return seed
 
 
@@ -121,10 +124,11 @@ def decoder_block_numel(config) -> int | None:
 
 def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, decoder_layer: str,
                assistant_only_loss: bool, speed_overrides: dict | None = None,
-               model_config=None, **overrides):
+               model_config=None, zero3_compiled: bool = False, **overrides):
     """One SFTConfig for every recipe; ``technique`` adds the seed's DeepSpeed/FSDP settings.
     ``speed_overrides`` (llm_common.speed.apply, None with --speed off): the fast settings, and
-    a tuned ZeRO-3 dict (``model_config`` gives its prefetch size)."""
+    a tuned ZeRO-3 dict (``model_config`` gives its prefetch size; ``zero3_compiled``: the
+    layers will be compiled as ZeRO-3 units, so DeepSpeed keeps torch's F.linear)."""
     from trl import SFTConfig
 
     kw = dict(
@@ -167,7 +171,7 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
         kw["deepspeed"] = deepspeed_zero3(
             bf16=prec == "bf16", tuned=tuned, on_gpu=device.type == "cuda",
             block_numel=decoder_block_numel(model_config) if model_config is not None else None,
-            hidden_size=getattr(model_config, "hidden_size", None))
+            hidden_size=getattr(model_config, "hidden_size", None), compiled=zero3_compiled)
     elif technique == FSDP2:
         kw["fsdp"], kw["fsdp_config"] = fsdp2(
             decoder_layer, activation_checkpointing=opts.gradient_checkpointing)

@@ -63,6 +63,8 @@ def job_compiled_vs_eager(variants):
             # graphs dynamo compiled: 0 would mean compile=True silently ran eagerly
             out[(name, compiled, "graphs")] = torch._dynamo.utils.counters["stats"]["unique_graphs"]
             out[(name, compiled, "breaks")] = sum(torch._dynamo.utils.counters["graph_break"].values())
+            # DeepSpeed's F.linear (left by the eager ZeRO-3 run before) or torch's
+            out[(name, compiled, "linear")] = torch.nn.functional.linear.__name__
     return out
 
 
@@ -87,6 +89,9 @@ def test_compiled_loss_equals_eager(name):
         assert res[(name, True, "graphs")] >= 3, res
     if name == "zero3":   # each block one ZeRO-3 unit: its hooks outside, one graph for all blocks
         assert res[(name, True, "breaks")] == 0, res
+        # compiled: torch's F.linear, also after the eager engine replaced it in this process
+        assert res[(name, False, "linear")] == "zero3_linear_wrap", res
+        assert res[(name, True, "linear")] == "linear", res
     diff = max(abs(a - b) for a, b in zip(eager, compiled))
     print(f"{name}: max |compiled - eager| = {diff:.3g}, {res[(name, True, 'graphs')]} graphs")
     assert diff <= COMPILE_ATOL, f"{name}: compiled {compiled} vs eager {eager} (max diff {diff:.3g})"

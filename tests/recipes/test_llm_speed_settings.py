@@ -88,6 +88,20 @@ def test_the_seed_dict_was_slow_and_the_tuned_one_is_not():
     assert sft.decoder_block_numel({"hidden_size": 8, "num_local_experts": 4}) is None
 
 
+def test_compiled_zero3_keeps_torchs_linear():
+    """DeepSpeed's memory-efficient linear (its default) replaces F.linear process-wide, and
+    Dynamo guards its backward per layer: compiled ZeRO-3 configs turn it off, the eager ones
+    keep DeepSpeed's default, and HF's "auto" filling leaves the flag alone."""
+    from llm_common import sft
+    assert zero_speed_settings(3, compiled=True)["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in zero_speed_settings(3)
+    assert "memory_efficient_linear" not in zero_speed_settings(2, compiled=True)
+    assert deepspeed_config(3, compiled=True)["zero_optimization"]["memory_efficient_linear"] is False
+    tuned = _filled_by_hf(sft.deepspeed_zero3(bf16=False, tuned=True, compiled=True))
+    assert tuned["memory_efficient_linear"] is False
+    assert "memory_efficient_linear" not in _filled_by_hf(sft.deepspeed_zero3(bf16=False, tuned=True))
+
+
 # ------------------------------------------------------------------ speed_settings
 def test_cpu_choices():
     s = speed_settings(LlamaConfig(**LLAMA_1B), device="cpu", lora_rank=8)

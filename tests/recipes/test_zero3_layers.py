@@ -41,7 +41,9 @@ if mode == "units":
     report["units"] = zero3_layer_units(model)
 ds = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
       "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 1280,
-                            "overlap_comm": False, "contiguous_gradients": True},
+                            "overlap_comm": False, "contiguous_gradients": True,
+                            # units: compiled, so torch's F.linear (DeepSpeed's is the default)
+                            **({"memory_efficient_linear": False} if mode == "units" else {})},
       "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
 engine, *_ = deepspeed.initialize(model=model, config=ds,
                                   optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
@@ -61,7 +63,8 @@ for _ in range(5):
     engine.step()
     losses.append(loss.item())
 if int(os.environ["RANK"]) == 0:
-    report.update(losses=losses, breaks=sum(counters["graph_break"].values()),
+    report.update(losses=losses, linear=torch.nn.functional.linear.__name__,
+                  breaks=sum(counters["graph_break"].values()),
                   graphs=counters["stats"].get("unique_graphs", 0),
                   partitioned=sum(p.ds_tensor.numel() < p.ds_numel for p in model.parameters()))
     with open(out, "w") as f:
@@ -85,7 +88,9 @@ def _run(tmp_path, mode: str, ranks: int) -> dict:
 def test_compiled_layers_as_zero3_units_are_one_graph_with_eager_losses(tmp_path):
     eager = _run(tmp_path, "eager", 2)
     units = _run(tmp_path, "units", 2)
-    assert units["units"] == {"units": 4, "layer": "LlamaDecoderLayer"}
+    assert units["units"] == {"units": 4, "layer": "LlamaDecoderLayer", "restored_linear": False}
+    # DeepSpeed's default replaces F.linear process-wide; the compiled run keeps torch's
+    assert eager["linear"] == "zero3_linear_wrap" and units["linear"] == "linear", (eager, units)
     assert units["partitioned"] > 0                 # two ranks: the matrices really are sharded
     assert units["breaks"] == 0 and units["graphs"] == 1, units
     assert units["losses"] == pytest.approx(eager["losses"], rel=1e-5, abs=1e-5)

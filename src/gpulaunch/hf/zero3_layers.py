@@ -24,6 +24,9 @@ as with FSDP2; the prefetch and reuse settings work on the layers instead of the
 
 from __future__ import annotations
 
+import warnings
+
+from ..parallel.zero import plain_linear
 from .regional_compile import find_layers
 
 __all__ = ["zero3_layer_units"]
@@ -33,7 +36,10 @@ def zero3_layer_units(model) -> dict:
     """Make every decoder layer of ``model`` (what ``compile_layers`` compiles) a ZeRO-3 leaf
     module. Call it before DeepSpeed wraps the model (``deepspeed.initialize``, which the HF
     Trainer calls in ``train()``): DeepSpeed reads the flag when it registers its hooks.
-    Returns ``{"units": n, "layer": class name}``."""
+    Also puts torch's ``F.linear`` back if DeepSpeed replaced it (``gpulaunch.parallel.zero.
+    plain_linear``), and warns if the trainer's ZeRO-3 config would replace it again: set
+    ``"memory_efficient_linear": false`` in its ``zero_optimization``.
+    Returns ``{"units": n, "layer": class name, "restored_linear": bool}``."""
     try:
         # by class, DeepSpeed's documented call (deepspeed 0.16.0 has it with this signature)
         from deepspeed.utils import set_z3_leaf_modules
@@ -51,4 +57,26 @@ def zero3_layer_units(model) -> dict:
             "zero3_layer_units: DeepSpeed has already wrapped this model (its ZeRO-3 hooks are "
             "on the submodules); call it before deepspeed.initialize / trainer.train()")
     set_z3_leaf_modules(model, list(dict.fromkeys(type(layer) for layer in layers)))
-    return {"units": len(layers), "layer": type(layers[0]).__name__}
+    # torch's F.linear inside the compiled layers, not DeepSpeed's (plain_linear says why)
+    restored = plain_linear()
+    _warn_if_linear_replaced_later()
+    return {"units": len(layers), "layer": type(layers[0]).__name__,
+            "restored_linear": restored}
+
+
+def _warn_if_linear_replaced_later() -> None:
+    """The HF Trainer's ZeRO-3 config, if one is active: with ``memory_efficient_linear`` on
+    (DeepSpeed's default) ``trainer.train()`` replaces F.linear again when it wraps the model."""
+    try:
+        from transformers.integrations.deepspeed import deepspeed_config
+    except ImportError:
+        return
+    cfg = deepspeed_config()
+    zero = (cfg or {}).get("zero_optimization") or {}
+    if cfg is not None and zero.get("stage") == 3 and zero.get("memory_efficient_linear") is not False:
+        warnings.warn(
+            "zero3_layer_units: the trainer's DeepSpeed config leaves zero_optimization."
+            "memory_efficient_linear on (DeepSpeed's default), so train() replaces torch's "
+            "F.linear with DeepSpeed's, whose backward Dynamo guards per layer: compiled layers "
+            "recompile for each layer and run eagerly past the recompile limit. Set "
+            '"memory_efficient_linear": false in zero_optimization.', stacklevel=3)

@@ -11,7 +11,7 @@ from .activation_checkpoint import apply_activation_checkpointing
 from .blocks import find_blocks
 from .prepared import DeepSpeedPrepared
 
-__all__ = ["deepspeed_config", "prepare_deepspeed", "zero_speed_settings"]
+__all__ = ["deepspeed_config", "plain_linear", "prepare_deepspeed", "zero_speed_settings"]
 
 # DeepSpeed's own defaults for ZeRO-3 buckets (deepspeed/runtime/zero/config.py); HF's "auto"
 # replaces them with hidden_size-based values that are far smaller for a 1B model.
@@ -21,13 +21,14 @@ _PERSISTENCE_THRESHOLD = int(1e5)
 
 
 def zero_speed_settings(stage: int, *, on_gpu: bool = True, block_numel: int | None = None,
-                        hidden_size: int | None = None) -> dict:
+                        hidden_size: int | None = None, compiled: bool = False) -> dict:
     """The ``zero_optimization`` keys that decide ZeRO-2/3 speed, each set on purpose (the values
     HF's ``"auto"`` or a ``0`` would otherwise give are what made the seed's ZeRO-3 dict slow).
 
     ``block_numel``: parameters of one repeated block (a decoder layer), when known: the prefetch
     bucket then holds at least the next whole block, so its all-gather overlaps this block's
-    compute. ``hidden_size``, when known, sets the persistence threshold (below)."""
+    compute. ``hidden_size``, when known, sets the persistence threshold (below). ``compiled``:
+    the blocks will be compiled (see ``plain_linear``)."""
     if stage < 2:
         return {}
     zero: dict[str, Any] = {
@@ -60,6 +61,10 @@ def zero_speed_settings(stage: int, *, on_gpu: bool = True, block_numel: int | N
             # optimizer step over sub-groups of 1e9 elements: one group for models this size
             "sub_group_size": int(1e9),
         })
+        if compiled:
+            # torch's own F.linear, not DeepSpeed's process-wide replacement (plain_linear says
+            # why); DeepSpeed turns it off itself when its own compile config is on
+            zero["memory_efficient_linear"] = False
     return zero
 
 
@@ -76,11 +81,12 @@ def _deep_merge(base: dict, override: dict) -> dict:
 def deepspeed_config(stage: int, *, mixed_precision=None, gradient_accumulation_steps: int = 1,
                      max_grad_norm: float | None = None, cpu_offload: bool = False,
                      micro_batch_size: int = 1, overrides: dict | None = None,
-                     on_gpu: bool = True, block_numel: int | None = None) -> dict:
+                     on_gpu: bool = True, block_numel: int | None = None,
+                     compiled: bool = False) -> dict:
     """The DeepSpeed config ``prepare()`` generates; ``overrides`` are deep-merged last.
-    ``on_gpu`` and ``block_numel``: see ``zero_speed_settings``."""
-    zero: dict[str, Any] = {"stage": stage, **zero_speed_settings(stage, on_gpu=on_gpu,
-                                                                   block_numel=block_numel)}
+    ``on_gpu``, ``block_numel`` and ``compiled``: see ``zero_speed_settings``."""
+    zero: dict[str, Any] = {"stage": stage, **zero_speed_settings(
+        stage, on_gpu=on_gpu, block_numel=block_numel, compiled=compiled)}
     if stage == 3:
         # lets save_16bit_model / export gather real weights instead of writing empty ones
         zero["stage3_gather_16bit_weights_on_model_save"] = True
@@ -117,12 +123,13 @@ def prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activ
     blist = find_blocks(model, blocks)
     if activation_checkpointing:
         apply_activation_checkpointing(blist, activation_checkpointing)
+    units = compile_opts is not None and stage == 3 and bool(blist)
     cfg = deepspeed_config(stage, mixed_precision=mixed_precision, gradient_accumulation_steps=gas,
                            max_grad_norm=max_grad_norm, cpu_offload=cpu_offload,
                            micro_batch_size=micro_batch_size, overrides=overrides,
                            on_gpu=device.type == "cuda",
                            block_numel=max((sum(p.numel() for p in b.parameters()) for b in blist),
-                                           default=None))
+                                           default=None), compiled=units)
     kwargs: dict[str, Any] = {"model": model, "config": cfg, "dist_init_required": False}
     if optimizer is not None:
         kwargs["optimizer"] = optimizer
@@ -132,11 +139,11 @@ def prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activ
         kwargs["lr_scheduler"] = lr_scheduler
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    units = compile_opts is not None and stage == 3 and bool(blist)
     if units:
         _blocks_as_zero3_units(blist)       # before initialize: DeepSpeed reads it when hooking
     engine, _opt, _, _sched = deepspeed.initialize(**kwargs)
     if units:
+        plain_linear()   # an earlier ZeRO-3 engine in this process (a warm worker) may have left it
         for block in blist:
             _compile_forward(block, compile_opts)
     elif compile_opts is not None:
@@ -165,3 +172,28 @@ def _compile_forward(block, compile_opts) -> None:
     """Compile the block's forward only, in place: DeepSpeed's hooks on the block run in its
     ``__call__``, outside the graph; the parameter names do not change."""
     block.forward = torch.compile(block.forward, **compile_opts)
+
+
+def plain_linear() -> bool:
+    """Put torch's ``F.linear`` back where DeepSpeed replaced it; True if it did.
+
+    A ZeRO-3 engine (or ``zero.Init``) with ``memory_efficient_linear`` on, DeepSpeed's default,
+    replaces ``torch.nn.functional.linear`` for the whole process with its own autograd function
+    and leaves it so. That function's backward reads each weight's ``ds_id``, an int that Dynamo
+    guards on: every compiled block then compiles again for its own layer, until Dynamo's
+    ``recompile_limit`` (8) and the rest run eagerly (the ZeRO-3 recipe on an H100, torch 2.11:
+    a recompile per layer, 0.61x the compiled full fine-tuning loop). Compiled ZeRO-3 configs
+    turn the flag off (``zero_speed_settings(compiled=True)``); this undoes a replacement an
+    earlier engine in the same process left (a warm worker's previous call)."""
+    try:
+        from deepspeed.runtime.zero.linear import zero3_linear_wrap
+        from deepspeed.runtime.zero.partition_parameters import (
+            InsertPostInitMethodToModuleSubClasses as _Patcher,
+        )
+    except ImportError:
+        return False
+    original = getattr(_Patcher, "linear_bk", None)
+    if torch.nn.functional.linear is zero3_linear_wrap and original is not None:
+        torch.nn.functional.linear = original
+        return True
+    return False
