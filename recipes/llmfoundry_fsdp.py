@@ -196,6 +196,10 @@ def train(opts: options.RecipeOptions) -> dict:
                          on_gpu=on_gpu, train_file=train_file, eval_file=eval_file,
                          world_size=rt.get_world_size(), fsdp=fsdp)
     if device.type == "cuda":
+        # nothing has touched CUDA in this process yet (Foundry builds the model inside its
+        # train()), and the allocator's statistics exist only once CUDA is initialised: without
+        # this the reset fails with "Invalid device argument" (H100, torch 2.11)
+        torch.cuda.init()
         torch.cuda.reset_peak_memory_stats(device)
     trainer = foundry_train(DictConfig(cfg))
     probe = foundry_probe.find(trainer)
