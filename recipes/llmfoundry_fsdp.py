@@ -89,7 +89,10 @@ def foundry_config(opts, *, model_dir: str, pretrained: bool, out_dir: str, on_g
                   # "mixed" (rank 0 loads, FSDP syncs the others) needs the FSDP config, which
                   # Foundry itself drops at world size 1 (and then refuses "mixed")
                   "init_device": "mixed" if on_gpu and fsdp and world_size > 1 else "cpu",
-                  "use_flash_attention_2": False},
+                  # PyTorch SDPA, as the TRL recipes: Foundry's own default is "eager", which
+                  # keeps every layer's seq x seq attention matrix (4 x 2048 tokens of
+                  # Llama-3.2-1B ran out of the H100's 80 GB)
+                  "use_flash_attention_2": False, "attn_implementation": "sdpa"},
         "tokenizer": {"name": model_dir, "kwargs": {"model_max_length": opts.seq_len}},
         "precision": "amp_bf16" if on_gpu else "fp32",
         "optimizer": {"name": "decoupled_lionw", "lr": opts.lr, "betas": [0.9, 0.95],
