@@ -214,7 +214,8 @@ def train(opts: options.RecipeOptions) -> dict:
         hf_dir = newest_hf_checkpoint(out_dir) if rt.is_main() else None
         export = check_export(hf_model, hf_dir)
     # tokens of all ranks, step by step
-    toks = torch.tensor(probe.step_tokens, dtype=torch.float64)
+    # on the rank's device: NCCL reduces CUDA tensors only (a CPU one: "No backend type")
+    toks = torch.tensor(probe.step_tokens, dtype=torch.float64, device=device)
     torch.distributed.all_reduce(toks)
     step_tokens = [int(t) for t in toks.tolist()]
     steady = metrics.steady_state(probe.step_times, step_tokens, opts.measure_after)
