@@ -51,7 +51,7 @@ OURS = [("1b", "ddp+compile"), ("1b", "fsdp+compile"), ("1b", "fsdp+compile+fp8"
         ("1b", "fsdp+compile+chunked")]
 LAST = [("1b", "anchor+compile,anchor")]
 # runs where DeepSpeed is importable and time is left; zero3+compile: each block one ZeRO-3
-# unit, compiled (not yet measured on a GPU)
+# unit, compiled (H100, 2026-12-07: 0.803x the compiled anchor; docs/choosing-a-technique.md)
 OPTIONAL = [("1b", "zero2+compile"), ("1b", "zero3+compile")]
 # (row, reference row, target ratio, what the issue asks)
 TARGETS = [("1b ddp+compile", "1b anchor+compile", 1.10, "prepare()+compile, DDP >= 1.1x anchor compiled"),

@@ -18,7 +18,7 @@ Where compilation goes (``prepare(..., compile=True)``):
 * ``zero3``: each block one ZeRO-3 unit (DeepSpeed's leaf modules: gathered whole before its
   forward and backward, nothing inside it hooked), then each block's forward compiled; the rest
   stays eager. ZeRO-3 otherwise hooks every submodule and a compiled block would break its graph
-  at each hook (``parallel/zero.py``).
+  at each hook; and with torch's ``F.linear`` (``parallel/zero.py``'s ``plain_linear`` says why).
 """
 
 from __future__ import annotations
