@@ -68,6 +68,7 @@ from _llm_speed_plans import foundry_plan, gptoss_plan, qlora_plan  # noqa: E402
 ROOT = HERE.parent
 GROUPS = ("lora", "full", "quality", "frameworks", "gptoss", "qlora", "foundry")
 LOSS_TOLERANCE = 0.02
+RESULTS_DIR, LOG_DIR = Path("/tmp/llm-speed-results"), Path("/tmp/llm-speed-logs")
 
 
 @dataclass
@@ -88,6 +89,14 @@ def _recipe(label, group, recipe, args, *, role, row, est_s, launcher="gpulaunch
                             est_s=est_s, row=row, group=group, launcher_args=accel,
                             extra_env=dict(env or {}), site=site)
     return Item(label, group, row, est_s, recipe=run, role=role)
+
+
+def _profile_args(label: str, smoke: bool) -> list[str]:
+    """16 steps (the last flags win), steps 12-14 profiled with Python stacks, the report
+    beside the run's logs (in the call's llm-speed-logs.tar.gz)."""
+    steps, at = ("4", "2:1") if smoke else ("16", "12:3")
+    return ["--max-steps", steps, "--eval-steps", steps, "-x", f"profile={at}",
+            "-x", "profile_stack=true", "-x", f"profile_dir={LOG_DIR / label}"]
 
 
 def plan(group: str, smoke: bool) -> list[Item]:
@@ -151,7 +160,20 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("full_ddp_fast", group, "trl_sft_full_zero3",
                         z3 + ["-x", "technique=ddp"], role="variant", smoke=smoke,
                         row="trl_sft_full_zero3 --speed auto -x technique=ddp", est_s=60),
-                anchor("anchor_full_2", "full", role="anchor_full")]
+                # ZeRO-3 in the anchor's precision: bf16 master weights and AdamW state
+                _recipe("zero3_fast_bf16", group, "trl_sft_full_zero3",
+                        z3 + ["-x", "master=bf16"], role="variant", smoke=smoke,
+                        row="trl_sft_full_zero3 --speed auto -x master=bf16", est_s=70),
+                anchor("anchor_full_2", "full", role="anchor_full"),
+                # where the step's time goes (llm_common.step_profile): short runs of their
+                # own, profiled after warm-up; no tokens/s from them
+                *[_recipe(f"{name}_profile", group, "trl_sft_full_zero3",
+                          z3 + extra + _profile_args(f"{name}_profile", smoke), role="profile",
+                          smoke=smoke, row=f"{row}, steps 12-14 profiled", est_s=50)
+                  for name, extra, row in (
+                      ("zero3_fast", [], "trl_sft_full_zero3 --speed auto"),
+                      ("zero3_fast_bf16", ["-x", "master=bf16"], "... -x master=bf16"),
+                      ("full_ddp_fast", ["-x", "technique=ddp"], "... -x technique=ddp"))]]
     if group == "quality":
         return [_recipe("lora_ddp_plain", group, "trl_sft_lora_ddp", one_b + lora + plain,
                         role="plain", row="trl_sft_lora_ddp --speed off", est_s=50, smoke=smoke),
@@ -270,6 +292,7 @@ def ratios(runs: list[dict]) -> dict:
     out["trl_full_1b_vs_foundry_1b"] = ratio(_rate(by.get("trl_full_1b", {})),
                                              _rate(by.get("foundry_1b", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
+    out["zero3_fast_bf16_vs_anchor_full"] = ratio(_rate(by.get("zero3_fast_bf16", {})), anchor_full)
     plain = _rate(by.get("gptoss_plain", {}))
     for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
         out[f"{label}_vs_plain"] = ratio(_rate(by.get(label, {})), plain)
@@ -281,7 +304,8 @@ def loss_checks(runs: list[dict]) -> dict:
     by = {r["label"]: (r.get("result") or {}).get("eval_loss_after") for r in runs}
     out = {}
     for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
-                        ("zero3_fast", "zero3_plain"), ("gptoss_fast", "gptoss_plain"),
+                        ("zero3_fast", "zero3_plain"), ("zero3_fast_bf16", "zero3_plain"),
+                        ("gptoss_fast", "gptoss_plain"),
                         ("gptoss_fast_mb2", "gptoss_plain"), ("gptoss_fast_eager", "gptoss_plain"),
                         ("gptoss_fast_flex", "gptoss_plain")):
         a, b = by.get(fast), by.get(plain)
@@ -300,8 +324,8 @@ def markdown(summary: dict) -> str:
     for r in summary["runs"]:
         x = r.get("result") or {}
         vs = rat.get(f"{r['label']}_vs_anchor_lora")
-        if r["label"].startswith("zero3_fast") and r["label"] == "zero3_fast":
-            vs = rat.get("zero3_fast_vs_anchor_full")
+        if r["label"] in ("zero3_fast", "zero3_fast_bf16", "full_ddp_fast"):
+            vs = rat.get(f"{r['label']}_vs_anchor_full")
         if r["label"].startswith("gptoss_fast"):                  # no anchor: vs the seed's
             vs = rat.get(f"{r['label']}_vs_plain")
         if r["label"].startswith("trl_qlora"):                    # vs Axolotl's QLoRA
@@ -355,7 +379,7 @@ def main(argv=None) -> int:
         items = [i for i in items if i.label in set(args.only.split(","))]
     # the split fused form is the budget's slack: with several groups in one call it goes last
     items.sort(key=lambda i: i.label == "fused_split")
-    res_dir, log_dir = Path("/tmp/llm-speed-results"), Path("/tmp/llm-speed-logs")
+    res_dir, log_dir = RESULTS_DIR, LOG_DIR
     if args.dry_run:
         for i in items:
             cmd = (recipes_bench.command(i.recipe, res_dir / f"{i.label}.json") if i.recipe

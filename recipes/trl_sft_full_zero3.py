@@ -24,7 +24,8 @@
 # rank 0 checks the saved safetensors against them: every tensor present, full-shaped, non-empty
 # and equal.
 #
-# `-x technique=ddp` runs the same full fine-tune under plain DDP (for the loss comparison).
+# `-x technique=ddp` runs the same full fine-tune under plain DDP (for the loss comparison);
+# `-x master=bf16` keeps ZeRO-3's master weights and AdamW state in bf16, as the DDP run does.
 # Options: `python recipes/trl_sft_full_zero3.py --help`; `--model PATH` for real weights.
 
 # %%
@@ -41,6 +42,12 @@ DEFAULTS = options.RecipeOptions(
     seq_len=2048, eval_steps=30, logging_steps=10, extra={"technique": "zero3"})
 TINY = dict(lr=3e-3, batch_size=8, seq_len=64, warmup_steps=0)
 OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
+# -x master: checked here, before any process starts (the rank checks bf16 against the device)
+if str(OPTS.extra.get("master", "fp32")) not in ("fp32", "bf16"):
+    raise SystemExit(f"-x master={OPTS.extra['master']!r}: use fp32 (DeepSpeed's default) or bf16")
+if str(OPTS.extra.get("master", "fp32")) == "bf16" and OPTS.extra.get("technique", "zero3") != "zero3":
+    raise SystemExit("-x master=bf16 is a ZeRO-3 setting (DeepSpeed's master weights); under "
+                     "-x technique=ddp the bf16 model's own weights are trained already")
 
 
 # %% [markdown]
@@ -90,6 +97,7 @@ def train(opts: options.RecipeOptions) -> dict:
                               speed_overrides=speed_args, model_config=model_config,
                               zero3_compiled=bool(fast and fast.compile_layers
                                                   and fast.zero3_layers),
+                              zero3_master=str(opts.extra.get("master", "fp32")),
                               assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
 
     if opts.model is not None:
@@ -130,7 +138,9 @@ def _zero_in_effect(trainer) -> dict | None:
     if plugin is None:
         return None
     zero = dict(plugin.deepspeed_config.get("zero_optimization", {}))
-    return {k: v for k, v in zero.items() if not isinstance(v, dict)}
+    bf16 = plugin.deepspeed_config.get("bf16", {})
+    return {**{k: v for k, v in zero.items() if not isinstance(v, dict)},
+            "master": "bf16" if bf16.get("bf16_master_weights_and_grads") else "fp32"}
 
 
 def check_export(named, out_dir: str, *, zero3: bool) -> dict | None:

@@ -153,4 +153,7 @@ def parse(defaults: RecipeOptions, tiny_preset: dict | None = None,
                 opts.extra = {**defaults.extra, **v, **user_extra}
             elif k not in given:
                 setattr(opts, k, v)
+    if "profile" in opts.extra:      # -x profile=START:COUNT: a bad value fails here, not in a rank
+        from .step_profile import parse_spec
+        parse_spec(opts.extra["profile"])
     return opts

@@ -51,9 +51,12 @@ def torch_dtype(prec: str):
     return torch.bfloat16 if prec == "bf16" else torch.float32
 
 
+ZERO3_MASTERS = ("fp32", "bf16")
+
+
 def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
                     block_numel: int | None = None, hidden_size: int | None = None,
-                    compiled: bool = False) -> dict:
+                    compiled: bool = False, master: str = "fp32") -> dict:
     """The seed notebook's ZeRO-3 dict (T/sgc-sft-trl-deepspeed-llama-1b), generated on each rank.
     ``stage3_gather_16bit_weights_on_model_save`` is what makes ``save_model`` write the full
     tensors; without it the saved safetensors hold ZeRO-3's empty placeholders.
@@ -63,7 +66,18 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
     fills from hidden_size: buckets too small to prefetch one MLP weight) and its persistence
     threshold 0 (every norm weight partitioned and gathered twice a step). ``compiled`` (the
     layers compiled as ZeRO-3 units): ``memory_efficient_linear`` off, see
-    ``gpulaunch.parallel.zero.plain_linear``."""
+    ``gpulaunch.parallel.zero.plain_linear``.
+
+    ``master="bf16"`` (``-x master=bf16``): DeepSpeed keeps the master weights, gradients and
+    AdamW state in bf16, as the by-hand anchor and the DDP run of this recipe (a bf16 model
+    under torch's fused AdamW) train, instead of fp32 copies of them. Half the optimizer's
+    memory traffic and memory, and no fp32 -> bf16 copy of the weights each step; the price
+    is bf16's precision for small updates, the same as those runs pay."""
+    if master not in ZERO3_MASTERS:
+        raise SystemExit(f"-x master={master!r}: use fp32 (DeepSpeed's default: fp32 master "
+                         f"weights and optimizer state) or bf16 (all bf16, as the DDP run)")
+    if master == "bf16" and not bf16:
+        raise SystemExit("-x master=bf16 needs bf16 training (a GPU with bf16, --dtype auto or bf16)")
     seed = {
         "fp16": {"enabled": False},
         "bf16": {"enabled": bf16},
@@ -86,6 +100,8 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
         "train_batch_size": "auto",
         "train_micro_batch_size_per_gpu": "auto",
     }
+    if master == "bf16":
+        seed["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if tuned:
         from gpulaunch.parallel.zero import zero_speed_settings
         seed["zero_optimization"].update(
@@ -124,7 +140,8 @@ def decoder_block_numel(config) -> int | None:
 
 def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, decoder_layer: str,
                assistant_only_loss: bool, speed_overrides: dict | None = None,
-               model_config=None, zero3_compiled: bool = False, **overrides):
+               model_config=None, zero3_compiled: bool = False, zero3_master: str = "fp32",
+               **overrides):
     """One SFTConfig for every recipe; ``technique`` adds the seed's DeepSpeed/FSDP settings.
     ``speed_overrides`` (llm_common.speed.apply, None with --speed off): the fast settings, and
     a tuned ZeRO-3 dict (``model_config`` gives its prefetch size; ``zero3_compiled``: the
@@ -171,7 +188,8 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
         kw["deepspeed"] = deepspeed_zero3(
             bf16=prec == "bf16", tuned=tuned, on_gpu=device.type == "cuda",
             block_numel=decoder_block_numel(model_config) if model_config is not None else None,
-            hidden_size=getattr(model_config, "hidden_size", None), compiled=zero3_compiled)
+            hidden_size=getattr(model_config, "hidden_size", None), compiled=zero3_compiled,
+            master=zero3_master)
     elif technique == FSDP2:
         kw["fsdp"], kw["fsdp_config"] = fsdp2(
             decoder_layer, activation_checkpointing=opts.gradient_checkpointing)
@@ -390,6 +408,12 @@ def train_and_measure(trainer, device, opts, *, entry: float) -> dict:
     use. ``entry``: when the rank's training function started (``time.time()``)."""
     import torch
     probe = make_probe(trainer, device)
+    if opts.extra.get("profile"):      # -x profile=START:COUNT (llm_common.step_profile)
+        from .step_profile import make_callback
+        trainer.add_callback(make_callback(
+            opts.extra["profile"], opts.extra.get("profile_dir")
+            or os.path.join(trainer.args.output_dir, "profile"), label=opts.recipe, device=device,
+            stack=opts.extra.get("profile_stack", False)))
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     timeline = {"entry": entry, "train_start": time.time()}

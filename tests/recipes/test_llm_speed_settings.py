@@ -102,6 +102,47 @@ def test_compiled_zero3_keeps_torchs_linear():
     assert "memory_efficient_linear" not in _filled_by_hf(sft.deepspeed_zero3(bf16=False, tuned=True))
 
 
+def test_zero3_bf16_master_is_asked_for_and_refused_without_bf16():
+    """-x master=bf16: DeepSpeed keeps master weights, gradients and AdamW state in bf16 (as the
+    DDP run and the anchor train); the default keeps its fp32 copies; bad values and fp32
+    training are refused with the fix in the message."""
+    from llm_common import sft
+    plain = sft.deepspeed_zero3(bf16=True, tuned=True)
+    assert plain["bf16"] == {"enabled": True}
+    bf16 = sft.deepspeed_zero3(bf16=True, tuned=True, master="bf16")
+    assert bf16["bf16"] == {"enabled": True, "bf16_master_weights_and_grads": True,
+                            "bf16_optimizer_states": True}
+    assert bf16["zero_optimization"] == plain["zero_optimization"]
+    with pytest.raises(SystemExit, match="use fp32 .* or bf16"):
+        sft.deepspeed_zero3(bf16=True, master="fp16")
+    with pytest.raises(SystemExit, match="needs bf16 training"):
+        sft.deepspeed_zero3(bf16=False, master="bf16")
+
+
+def test_deepspeed_accepts_the_bf16_master_keys():
+    """The keys are DeepSpeed's own: its config model parses them (no engine, no GPU)."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.precision_config import get_bfloat16_config
+    from llm_common import sft
+    cfg = get_bfloat16_config(sft.deepspeed_zero3(bf16=True, master="bf16"))
+    assert cfg.enabled and cfg.bf16_master_weights_and_grads and cfg.bf16_optimizer_states
+
+
+def test_zero_event_waits_is_a_no_op_without_cuda():
+    """On a host without CUDA nothing is patched: DeepSpeed's handles keep their own wait."""
+    from gpulaunch.parallel.zero_waits import event_waits
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA host: tests/gpu covers event_waits there")
+    assert event_waits() is False
+    try:
+        from deepspeed.runtime.zero import partition_parameters as pp
+    except ImportError:
+        return
+    assert not getattr(pp.NoGatherCoalescedHandle.wait, "_gpulaunch_event_wait", False)
+    # the classes event_waits wraps are still DeepSpeed's (a rename would silently disable it)
+    assert callable(pp.NoGatherHandle.wait) and callable(pp.NoGatherCoalescedHandle.wait)
+
+
 # ------------------------------------------------------------------ speed_settings
 def test_cpu_choices():
     s = speed_settings(LlamaConfig(**LLAMA_1B), device="cpu", lora_rank=8)
