@@ -302,6 +302,8 @@ def ratios(runs: list[dict]) -> dict:
 def loss_checks(runs: list[dict]) -> dict:
     """Fast vs plain final eval loss, same steps and seed: within LOSS_TOLERANCE (relative)."""
     by = {r["label"]: (r.get("result") or {}).get("eval_loss_after") for r in runs}
+    if by.get("zero3_plain") is None:   # the seed's recipe under accelerate launch: the same run
+        by["zero3_plain"] = by.get("zero3_plain_accelerate")
     out = {}
     for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
                         ("zero3_fast", "zero3_plain"), ("zero3_fast_bf16", "zero3_plain"),

@@ -26,9 +26,14 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     labels = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("[")]
     assert labels[0] == "anchor_lora_1" and "anchor_lora_2" in labels       # A ... A
     assert labels.index("anchor_full_1") < labels.index("zero3_fast") < labels.index("anchor_full_2")
+    # the profiled runs come after the timed ones and never count: 16 steps, 12-14 profiled
+    prof = [line for line in p.stdout.splitlines() if "-x profile=12:3" in line]
+    assert len(prof) == 3 and all("--max-steps 16" in line and "profile_stack=true" in line
+                                  for line in prof)
+    assert labels.index("anchor_full_2") < labels.index("zero3_fast_profile")
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "31 runs" in p.stdout and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "35 runs" in p.stdout and "zero3_fast_bf16" in labels and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]
@@ -89,6 +94,16 @@ def test_ratios_and_loss_checks():
     md = llm_speed.markdown({"when": "t", "machine": "m", "command": "c", "runs": runs,
                              "ratios": r, "loss_checks": checks})
     assert '{"lora_ddp_fast": ["wrapped_func"]}' in md
+    # no zero3_plain in the call: the seed's recipe under accelerate launch is the plain run;
+    # bf16 master weights get their ratio to the full anchor and the same check
+    zruns = [run("anchor_full_1", "anchor_full", 50_000),
+             run("zero3_fast", "fast", 40_000, 7.33), run("zero3_fast_bf16", "variant", 44_000, 7.22),
+             run("zero3_plain_accelerate", "accelerate", 20_000, 7.31)]
+    z = llm_speed.ratios(zruns)
+    assert z["zero3_fast_bf16_vs_anchor_full"] == 0.88 and z["zero3_fast_vs_accelerate_plain"] == 2.0
+    zc = llm_speed.loss_checks(zruns)
+    assert zc["zero3_fast"]["plain"] == zc["zero3_fast_bf16"]["plain"] == 7.31
+    assert zc["zero3_fast"]["ok"] and zc["zero3_fast_bf16"]["ok"]
 
 
 @pytest.mark.unit
