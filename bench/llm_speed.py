@@ -403,15 +403,24 @@ def main(argv=None) -> int:
     gpu = (summary["versions"].get("trl") or {}).get("gpu") if isinstance(
         summary["versions"].get("trl"), dict) else None
     summary["machine"] = gpu or summary["machine"]
+    anchorless: set[str] = set()    # groups whose first anchor was skipped for the budget
     for item in items:
         if item.recipe is not None and not recipes_bench.available(item.recipe.site):
             summary["skipped"].append({"run": item.label, "why": "framework not carried "
                                        f"(LLM_SITE_{item.recipe.site.upper()} unset)"})
             print(f"--- skipped {item.label}: {item.recipe.site} not carried", flush=True)
             continue
+        if item.group in anchorless and not item.role.startswith("anchor"):
+            # its ratios need the anchor that did not run: the time goes to nothing else
+            summary["skipped"].append({"run": item.label, "why": "budget: no anchor in its group"})
+            print(f"--- skipped {item.label}: its group's anchor did not run", flush=True)
+            continue
         if time.time() + 0.75 * item.est_s > deadline and not args.smoke:
             summary["skipped"].append({"run": item.label, "why": "budget"})
             print(f"--- skipped {item.label}: budget", flush=True)
+            if item.role.startswith("anchor") and not any(
+                    r["role"] == item.role for r in summary["runs"]):
+                anchorless.add(item.group)
             continue
         if item.recipe is not None:
             r = recipes_bench.execute(item.recipe, res_dir, log_dir, deadline)

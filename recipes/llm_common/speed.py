@@ -133,8 +133,7 @@ def compile_layers(trainer, s) -> dict | None:
         from gpulaunch.hf import zero3_layer_units
         units = zero3_layer_units(trainer.model)
     report = compile_them(trainer.model)
-    return report if units is None else {**report, "zero3_units": units["units"],
-                                         "zero3_event_waits": units["event_waits"]}
+    return report if units is None else {**report, "zero3_units": units["units"]}
 
 
 def summary(s) -> dict | None:

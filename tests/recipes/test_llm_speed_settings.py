@@ -128,21 +128,6 @@ def test_deepspeed_accepts_the_bf16_master_keys():
     assert cfg.enabled and cfg.bf16_master_weights_and_grads and cfg.bf16_optimizer_states
 
 
-def test_zero_event_waits_is_a_no_op_without_cuda():
-    """On a host without CUDA nothing is patched: DeepSpeed's handles keep their own wait."""
-    from gpulaunch.parallel.zero_waits import event_waits
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA host: tests/gpu covers event_waits there")
-    assert event_waits() is False
-    try:
-        from deepspeed.runtime.zero import partition_parameters as pp
-    except ImportError:
-        return
-    assert not getattr(pp.NoGatherCoalescedHandle.wait, "_gpulaunch_event_wait", False)
-    # the classes event_waits wraps are still DeepSpeed's (a rename would silently disable it)
-    assert callable(pp.NoGatherHandle.wait) and callable(pp.NoGatherCoalescedHandle.wait)
-
-
 # ------------------------------------------------------------------ speed_settings
 def test_cpu_choices():
     s = speed_settings(LlamaConfig(**LLAMA_1B), device="cpu", lora_rank=8)

@@ -28,7 +28,6 @@ from __future__ import annotations
 import warnings
 
 from ..parallel.zero import plain_linear
-from ..parallel.zero_waits import event_waits
 from .regional_compile import find_layers
 
 __all__ = ["zero3_layer_units"]
@@ -40,10 +39,8 @@ def zero3_layer_units(model) -> dict:
     Trainer calls in ``train()``): DeepSpeed reads the flag when it registers its hooks.
     Also puts torch's ``F.linear`` back if DeepSpeed replaced it (``gpulaunch.parallel.zero.
     plain_linear``), and warns if the trainer's ZeRO-3 config would replace it again: set
-    ``"memory_efficient_linear": false`` in its ``zero_optimization``. On a GPU, unsharded
-    parameters (one rank) are then waited for with CUDA events, not a host sync per layer
-    (``gpulaunch.parallel.zero_waits``).
-    Returns ``{"units": n, "layer": class name, "restored_linear": bool, "event_waits": bool}``."""
+    ``"memory_efficient_linear": false`` in its ``zero_optimization``.
+    Returns ``{"units": n, "layer": class name, "restored_linear": bool}``."""
     try:
         # by class, DeepSpeed's documented call (deepspeed 0.16.0 has it with this signature)
         from deepspeed.utils import set_z3_leaf_modules
@@ -65,7 +62,7 @@ def zero3_layer_units(model) -> dict:
     restored = plain_linear()
     _warn_if_linear_replaced_later()
     return {"units": len(layers), "layer": type(layers[0]).__name__,
-            "restored_linear": restored, "event_waits": event_waits()}
+            "restored_linear": restored}
 
 
 def _warn_if_linear_replaced_later() -> None:

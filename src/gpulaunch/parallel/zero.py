@@ -10,7 +10,6 @@ from ._env import ParallelError
 from .activation_checkpoint import apply_activation_checkpointing
 from .blocks import find_blocks
 from .prepared import DeepSpeedPrepared
-from .zero_waits import event_waits
 
 __all__ = ["deepspeed_config", "plain_linear", "prepare_deepspeed", "zero_speed_settings"]
 
@@ -140,8 +139,6 @@ def prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activ
         kwargs["lr_scheduler"] = lr_scheduler
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if stage == 3 and device.type == "cuda":
-        event_waits()   # unsharded parameters (one rank): no host sync per fetched module
     if units:
         _blocks_as_zero3_units(blist)       # before initialize: DeepSpeed reads it when hooking
     engine, _opt, _, _sched = deepspeed.initialize(**kwargs)
