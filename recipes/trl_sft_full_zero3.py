@@ -29,7 +29,7 @@
 # Options: `python recipes/trl_sft_full_zero3.py --help`; `--model PATH` for real weights.
 
 # %%
-from llm_common import launch, options, summary
+from llm_common import launch, options, sft, summary
 
 from gpulaunch import distributed
 from gpulaunch import runtime as rt
@@ -43,7 +43,7 @@ DEFAULTS = options.RecipeOptions(
 TINY = dict(lr=3e-3, batch_size=8, seq_len=64, warmup_steps=0)
 OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
 # -x master: checked here, before any process starts (the rank checks bf16 against the device)
-if str(OPTS.extra.get("master", "fp32")) not in ("fp32", "bf16"):
+if str(OPTS.extra.get("master", "fp32")) not in sft.ZERO3_MASTERS:
     raise SystemExit(f"-x master={OPTS.extra['master']!r}: use fp32 (DeepSpeed's default) or bf16")
 if str(OPTS.extra.get("master", "fp32")) == "bf16" and OPTS.extra.get("technique", "zero3") != "zero3":
     raise SystemExit("-x master=bf16 is a ZeRO-3 setting (DeepSpeed's master weights); under "

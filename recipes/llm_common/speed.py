@@ -131,9 +131,9 @@ def compile_layers(trainer, s) -> dict | None:
     if s.zero3_layers:
         # ZeRO-3: each layer one DeepSpeed unit first, so its hooks stay outside the graph
         from gpulaunch.hf import zero3_layer_units
-        units = zero3_layer_units(trainer.model)
+        units = zero3_layer_units(trainer.model)["units"]
     report = compile_them(trainer.model)
-    return report if units is None else {**report, "zero3_units": units["units"]}
+    return report if units is None else {**report, "zero3_units": units}
 
 
 def summary(s) -> dict | None:
