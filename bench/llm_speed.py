@@ -164,6 +164,17 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("zero3_fast_bf16", group, "trl_sft_full_zero3",
                         z3 + ["-x", "master=bf16"], role="variant", smoke=smoke,
                         row="trl_sft_full_zero3 --speed auto -x master=bf16", est_s=70),
+                # DeepSpeed's throughput timer back on (its default): two device syncs a step,
+                # what --speed auto turns off
+                _recipe("zero3_fast_timers_on", group, "trl_sft_full_zero3",
+                        z3 + ["-x", "ds.timers.throughput.enabled=true"], role="variant",
+                        smoke=smoke, est_s=70,
+                        row="... -x ds.timers.throughput.enabled=true (DeepSpeed's default)"),
+                # one rank: no gradient reduce to overlap, so no side stream and its events
+                _recipe("zero3_fast_no_overlap", group, "trl_sft_full_zero3",
+                        z3 + ["-x", "ds.zero_optimization.overlap_comm=false"], role="variant",
+                        smoke=smoke, est_s=70,
+                        row="... -x ds.zero_optimization.overlap_comm=false"),
                 anchor("anchor_full_2", "full", role="anchor_full"),
                 # where the step's time goes (llm_common.step_profile): short runs of their
                 # own, profiled after warm-up; no tokens/s from them
@@ -292,7 +303,8 @@ def ratios(runs: list[dict]) -> dict:
     out["trl_full_1b_vs_foundry_1b"] = ratio(_rate(by.get("trl_full_1b", {})),
                                              _rate(by.get("foundry_1b", {})))
     out["full_ddp_fast_vs_anchor_full"] = ratio(_rate(by.get("full_ddp_fast", {})), anchor_full)
-    out["zero3_fast_bf16_vs_anchor_full"] = ratio(_rate(by.get("zero3_fast_bf16", {})), anchor_full)
+    for label in ("zero3_fast_bf16", "zero3_fast_timers_on", "zero3_fast_no_overlap"):
+        out[f"{label}_vs_anchor_full"] = ratio(_rate(by.get(label, {})), anchor_full)
     plain = _rate(by.get("gptoss_plain", {}))
     for label in ("gptoss_fast", "gptoss_fast_mb2", "gptoss_fast_eager", "gptoss_fast_flex"):
         out[f"{label}_vs_plain"] = ratio(_rate(by.get(label, {})), plain)
@@ -307,6 +319,7 @@ def loss_checks(runs: list[dict]) -> dict:
     out = {}
     for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
                         ("zero3_fast", "zero3_plain"), ("zero3_fast_bf16", "zero3_plain"),
+                        ("zero3_fast_no_overlap", "zero3_plain"),
                         ("gptoss_fast", "gptoss_plain"),
                         ("gptoss_fast_mb2", "gptoss_plain"), ("gptoss_fast_eager", "gptoss_plain"),
                         ("gptoss_fast_flex", "gptoss_plain")):
@@ -326,7 +339,8 @@ def markdown(summary: dict) -> str:
     for r in summary["runs"]:
         x = r.get("result") or {}
         vs = rat.get(f"{r['label']}_vs_anchor_lora")
-        if r["label"] in ("zero3_fast", "zero3_fast_bf16", "full_ddp_fast"):
+        if r["label"] in ("zero3_fast", "zero3_fast_bf16", "full_ddp_fast",
+                          "zero3_fast_timers_on", "zero3_fast_no_overlap"):
             vs = rat.get(f"{r['label']}_vs_anchor_full")
         if r["label"].startswith("gptoss_fast"):                  # no anchor: vs the seed's
             vs = rat.get(f"{r['label']}_vs_plain")

@@ -26,10 +26,11 @@
 #
 # `-x technique=ddp` runs the same full fine-tune under plain DDP (for the loss comparison);
 # `-x master=bf16` keeps ZeRO-3's master weights and AdamW state in bf16, as the DDP run does.
+# `-x ds.PATH=VALUE` sets any key of the DeepSpeed dict, last (`-x ds.zero_optimization.overlap_comm=false`).
 # Options: `python recipes/trl_sft_full_zero3.py --help`; `--model PATH` for real weights.
 
 # %%
-from llm_common import launch, options, sft, summary
+from llm_common import ds_overrides, launch, options, sft, summary
 
 from gpulaunch import distributed
 from gpulaunch import runtime as rt
@@ -48,6 +49,8 @@ if str(OPTS.extra.get("master", "fp32")) not in sft.ZERO3_MASTERS:
 if str(OPTS.extra.get("master", "fp32")) == "bf16" and OPTS.extra.get("technique", "zero3") != "zero3":
     raise SystemExit("-x master=bf16 is a ZeRO-3 setting (DeepSpeed's master weights); under "
                      "-x technique=ddp the bf16 model's own weights are trained already")
+# -x ds.PATH=VALUE: the path's form, and zero_optimization keys against DeepSpeed where it imports
+ds_overrides.check(OPTS.extra, technique=OPTS.extra.get("technique", "zero3"))
 
 
 # %% [markdown]
@@ -98,6 +101,7 @@ def train(opts: options.RecipeOptions) -> dict:
                               zero3_compiled=bool(fast and fast.compile_layers
                                                   and fast.zero3_layers),
                               zero3_master=str(opts.extra.get("master", "fp32")),
+                              zero3_overrides=ds_overrides.from_extra(opts.extra),
                               assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
 
     if opts.model is not None:
@@ -128,6 +132,7 @@ def train(opts: options.RecipeOptions) -> dict:
         "speed": speed.summary(fast), "compiled_layers": compiled,
         # the ZeRO settings DeepSpeed ran with, "auto" values filled in by the HF Trainer
         "deepspeed_zero": _zero_in_effect(trainer),
+        "deepspeed_overrides": ds_overrides.from_extra(opts.extra) or None,   # -x ds.*
         "world_size": rt.get_world_size(), "precision": prec,
         "parameters": sum(getattr(p, "ds_numel", p.numel()) for _, p in named),
         "output": opts.output_path() if opts.save else None})
@@ -140,7 +145,10 @@ def _zero_in_effect(trainer) -> dict | None:
     zero = dict(plugin.deepspeed_config.get("zero_optimization", {}))
     bf16 = plugin.deepspeed_config.get("bf16", {})
     return {**{k: v for k, v in zero.items() if not isinstance(v, dict)},
-            "master": "bf16" if bf16.get("bf16_master_weights_and_grads") else "fp32"}
+            "master": "bf16" if bf16.get("bf16_master_weights_and_grads") else "fp32",
+            # DeepSpeed's throughput timer syncs the device twice a step while on (its default)
+            "throughput_timer": bool(plugin.deepspeed_config.get("timers", {})
+                                     .get("throughput", {}).get("enabled", True))}
 
 
 def check_export(named, out_dir: str, *, zero3: bool) -> dict | None:

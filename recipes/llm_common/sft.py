@@ -56,7 +56,8 @@ ZERO3_MASTERS = ("fp32", "bf16")
 
 def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
                     block_numel: int | None = None, hidden_size: int | None = None,
-                    compiled: bool = False, master: str = "fp32") -> dict:
+                    compiled: bool = False, master: str = "fp32",
+                    overrides: dict | None = None) -> dict:
     """The seed notebook's ZeRO-3 dict (T/sgc-sft-trl-deepspeed-llama-1b), generated on each rank.
     ``stage3_gather_16bit_weights_on_model_save`` is what makes ``save_model`` write the full
     tensors; without it the saved safetensors hold ZeRO-3's empty placeholders.
@@ -72,7 +73,9 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
     AdamW state in bf16, as the by-hand anchor and the DDP run of this recipe (a bf16 model
     under torch's fused AdamW) train, instead of fp32 copies of them. Half the optimizer's
     memory traffic and memory, and no fp32 -> bf16 copy of the weights each step; the price
-    is bf16's precision for small updates, the same as those runs pay."""
+    is bf16's precision for small updates, the same as those runs pay.
+
+    ``overrides`` (``-x ds.PATH=VALUE``, ``llm_common.ds_overrides``): merged in last."""
     if master not in ZERO3_MASTERS:
         raise SystemExit(f"-x master={master!r}: use fp32 (DeepSpeed's default: fp32 master "
                          f"weights and optimizer state) or bf16 (all bf16, as the DDP run)")
@@ -103,10 +106,14 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
     if master == "bf16":
         seed["bf16"].update(bf16_master_weights_and_grads=True, bf16_optimizer_states=True)
     if tuned:
-        from gpulaunch.parallel.zero import zero_speed_settings
+        from gpulaunch.parallel.zero import throughput_timer_off, zero_speed_settings
         seed["zero_optimization"].update(
             zero_speed_settings(3, on_gpu=on_gpu, block_numel=block_numel,
                                 hidden_size=hidden_size, compiled=compiled))
+        seed["timers"] = throughput_timer_off()
+    if overrides:
+        from .ds_overrides import merge
+        seed = merge(seed, overrides)
     return seed
 
 
@@ -141,11 +148,12 @@ def decoder_block_numel(config) -> int | None:
 def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, decoder_layer: str,
                assistant_only_loss: bool, speed_overrides: dict | None = None,
                model_config=None, zero3_compiled: bool = False, zero3_master: str = "fp32",
-               **overrides):
+               zero3_overrides: dict | None = None, **overrides):
     """One SFTConfig for every recipe; ``technique`` adds the seed's DeepSpeed/FSDP settings.
     ``speed_overrides`` (llm_common.speed.apply, None with --speed off): the fast settings, and
     a tuned ZeRO-3 dict (``model_config`` gives its prefetch size; ``zero3_compiled``: the
-    layers will be compiled as ZeRO-3 units, so DeepSpeed keeps torch's F.linear)."""
+    layers will be compiled as ZeRO-3 units, so DeepSpeed keeps torch's F.linear;
+    ``zero3_overrides``: the ``-x ds.*`` keys, merged into the DeepSpeed dict last)."""
     from trl import SFTConfig
 
     kw = dict(
@@ -189,7 +197,7 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
             bf16=prec == "bf16", tuned=tuned, on_gpu=device.type == "cuda",
             block_numel=decoder_block_numel(model_config) if model_config is not None else None,
             hidden_size=getattr(model_config, "hidden_size", None), compiled=zero3_compiled,
-            master=zero3_master)
+            master=zero3_master, overrides=zero3_overrides)
     elif technique == FSDP2:
         kw["fsdp"], kw["fsdp_config"] = fsdp2(
             decoder_layer, activation_checkpointing=opts.gradient_checkpointing)

@@ -31,9 +31,14 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
     assert len(prof) == 3 and all("--max-steps 16" in line and "profile_stack=true" in line
                                   for line in prof)
     assert labels.index("anchor_full_2") < labels.index("zero3_fast_profile")
+    # the two DeepSpeed-key variants sit between the anchors, each with its -x ds. override
+    for label, flag in (("zero3_fast_timers_on", "-x ds.timers.throughput.enabled=true"),
+                        ("zero3_fast_no_overlap", "-x ds.zero_optimization.overlap_comm=false")):
+        assert labels.index("anchor_full_1") < labels.index(label) < labels.index("anchor_full_2")
+        assert flag in p.stdout
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "35 runs" in p.stdout and "zero3_fast_bf16" in labels and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "37 runs" in p.stdout and "zero3_fast_bf16" in labels and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]

@@ -128,6 +128,60 @@ def test_deepspeed_accepts_the_bf16_master_keys():
     assert cfg.enabled and cfg.bf16_master_weights_and_grads and cfg.bf16_optimizer_states
 
 
+def test_deepspeeds_throughput_timer_is_off_when_tuned():
+    """DeepSpeed's throughput timer synchronizes the device at each forward's start and step's
+    end; --speed auto and prepare() turn it off, the seed's dict (--speed off) keeps it, and
+    DeepSpeed's own config reader sees it off."""
+    from llm_common import sft
+    tuned = sft.deepspeed_zero3(bf16=True, tuned=True)
+    assert tuned["timers"] == {"throughput": {"enabled": False}}
+    assert "timers" not in sft.deepspeed_zero3(bf16=True)
+    assert deepspeed_config(3)["timers"] == deepspeed_config(2)["timers"] == tuned["timers"]
+    tuned["timers"]["throughput"]["enabled"] = True          # HF fills configs in place:
+    assert deepspeed_config(3)["timers"]["throughput"]["enabled"] is False   # not shared
+    pytest.importorskip("deepspeed")
+    from deepspeed.utils.config import get_timers_config
+    assert get_timers_config(deepspeed_config(3)).enabled is False
+    assert get_timers_config(sft.deepspeed_zero3(bf16=True)).enabled is True   # its default
+
+
+def test_ds_overrides_from_the_command_line():
+    """-x ds.PATH=VALUE: dotted paths into the DeepSpeed dict, merged last (over --speed auto's
+    keys), nothing else touched; malformed paths and non-ZeRO-3 runs are refused early."""
+    from llm_common import ds_overrides, options, sft
+    extra = options._parse_extra(["ds.zero_optimization.overlap_comm=false",
+                                  "ds.timers.throughput.enabled=true", "master=fp32",
+                                  "ds.zero_optimization.reduce_bucket_size=2e8"])
+    ov = ds_overrides.from_extra(extra)
+    assert ov == {"zero_optimization": {"overlap_comm": False, "reduce_bucket_size": 2e8},
+                  "timers": {"throughput": {"enabled": True}}}
+    tuned = sft.deepspeed_zero3(bf16=True, tuned=True)
+    cfg = sft.deepspeed_zero3(bf16=True, tuned=True, overrides=ov)
+    assert cfg["zero_optimization"] == {**tuned["zero_optimization"], "overlap_comm": False,
+                                        "reduce_bucket_size": 2e8}
+    assert cfg["timers"]["throughput"]["enabled"] is True and cfg["bf16"] == tuned["bf16"]
+    assert ds_overrides.from_extra({"master": "bf16"}) == {}
+    for bad in ("ds.", "ds.zero_optimization..overlap_comm", "ds.zero-optimization.x"):
+        with pytest.raises(SystemExit, match="the path after 'ds.'"):
+            ds_overrides.from_extra({bad: 1})
+    with pytest.raises(SystemExit, match="already holds keys"):
+        ds_overrides.from_extra({"ds.timers.throughput": 1, "ds.timers": 2} | {"ds.timers.x": 3})
+    with pytest.raises(SystemExit, match="technique=zero3 only"):
+        ds_overrides.check({"ds.timers.throughput.enabled": True}, technique="ddp")
+    assert ds_overrides.check({"master": "bf16"}, technique="ddp") == {}
+
+
+def test_ds_overrides_zero_keys_are_checked_by_deepspeed_in_the_parent():
+    pytest.importorskip("deepspeed")
+    from llm_common import ds_overrides
+    ok = {"ds.zero_optimization.overlap_comm": False}
+    assert ds_overrides.check(ok, technique="zero3") == {"zero_optimization": {"overlap_comm": False}}
+    with pytest.raises(SystemExit, match="overlap_com.*Extra inputs are not permitted"):
+        ds_overrides.check({"ds.zero_optimization.overlap_com": False}, technique="zero3")
+    with pytest.raises(SystemExit, match="overlap_comm.*valid boolean"):
+        ds_overrides.check({"ds.zero_optimization.overlap_comm": "maybe"}, technique="zero3")
+
+
 # ------------------------------------------------------------------ speed_settings
 def test_cpu_choices():
     s = speed_settings(LlamaConfig(**LLAMA_1B), device="cpu", lora_rank=8)

@@ -213,7 +213,10 @@ PARITY_ARGS = ("--max-steps", "40", "--eval-steps", "20")
 def zero3_run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("zero3")
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(Path.home() / ".cache" / "torch_extensions"))
+    # two -x ds. overrides ride along: they must reach the dict DeepSpeed runs with
     r, proc = run_recipe("trl_sft_full_zero3", tmp, "--output", str(tmp / "model"), *PARITY_ARGS,
+                         "-x", "ds.timers.throughput.enabled=true",
+                         "-x", "ds.zero_optimization.reduce_bucket_size=300000000",
                          env_extra={"GPULAUNCH_HOME": str(tmp / "home"),
                                     "GPULAUNCH_FORCE_CPU": "1"})
     return r, proc, tmp / "model"
@@ -224,6 +227,10 @@ def test_trl_full_zero3_exports_the_full_weights_and_reloads(zero3_run):
     pytest.importorskip("deepspeed")
     r, proc, out = zero3_run
     assert r["technique"] == "zero3" and r["wrapper"] == "deepspeed" and r["world_size"] == 2
+    zero = r["deepspeed_zero"]
+    assert zero["throughput_timer"] is True and zero["reduce_bucket_size"] == 300_000_000
+    assert r["deepspeed_overrides"] == {"timers": {"throughput": {"enabled": True}},
+                                        "zero_optimization": {"reduce_bucket_size": 300_000_000}}
     assert r["eval_loss_after"] < 0.8 * r["eval_loss_before"], r["eval_losses"]
     check = r["export_check"]
     assert check["ok"] and check["max_abs_diff"] == 0.0 and not check["empty"], check

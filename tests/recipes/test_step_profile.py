@@ -4,6 +4,7 @@ steps and writes the report."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import subprocess
@@ -99,7 +100,13 @@ def test_bad_profile_and_master_values_fail_before_launching(tmp_path):
     script = str(ROOT / "recipes" / "trl_sft_full_zero3.py")
     for extra, message in ((["-x", "master=fp16"], "use fp32 (DeepSpeed's default) or bf16"),
                            (["-x", "master=bf16", "-x", "technique=ddp"], "is a ZeRO-3 setting"),
-                           (["-x", "profile=late"], "use START:COUNT, e.g. -x profile=12:3")):
+                           (["-x", "profile=late"], "use START:COUNT, e.g. -x profile=12:3"),
+                           (["-x", "ds.timers.throughput.enabled=true", "-x", "technique=ddp"],
+                            "for -x technique=zero3 only"),
+                           (["-x", "ds.zero_optimization..x=1"], "the path after 'ds.'"),
+                           *([(["-x", "ds.zero_optimization.overlap_com=false"],
+                               "DeepSpeed refuses it: overlap_com: Extra inputs are not permitted")]
+                             if importlib.util.find_spec("deepspeed") else [])):
         proc = subprocess.run([PY, script, *extra], cwd=tmp_path, env=env, capture_output=True,
                               text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
