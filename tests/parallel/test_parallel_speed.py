@@ -307,3 +307,32 @@ def test_loader_puts_batches_on_the_device_and_pins_only_for_gpus():
     assert len(batches) == 2
     assert batches[0]["x"].device.type == "meta" and batches[0]["x"].shape == (4, 3)
     assert all(t.device.type == "meta" for t in batches[1]["y"])   # nested containers too
+
+
+def job_device_syncs(deepspeed_config):
+    """Calls to DeepSpeed's accelerator ``synchronize()`` (a whole-device sync on a GPU) over 4
+    ZeRO-3 steps of prepare()'s config, with ``deepspeed_config`` merged over it."""
+    from deepspeed.accelerator import get_accelerator
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    p = gp.prepare(Llama(CFG), opt_factory, strategy="zero3", deepspeed_config=deepspeed_config)
+    acc, calls = get_accelerator(), []
+    real = acc.synchronize
+    acc.synchronize = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    try:
+        losses = _train(p, rank, world, steps=4)
+    finally:
+        acc.synchronize = real
+    return len(calls), losses
+
+
+@pytest.mark.slow
+@needs_ds
+def test_zero3_steps_do_not_synchronize_the_device_for_deepspeeds_timer():
+    """prepare()'s ZeRO-3 config turns DeepSpeed's throughput timer off: with it on (DeepSpeed's
+    default) every step from the third synchronizes the device twice (forward's start, step's
+    end), which on a GPU drains its queue; off, those calls are gone and training is the same."""
+    off = run_ranks(job_device_syncs, None)[0]
+    on = run_ranks(job_device_syncs, {"timers": {"throughput": {"enabled": True}}})[0]
+    assert off[0] == 0 and on[0] >= 2 * 2, (on[0], off[0])
+    assert off[1] == on[1]
