@@ -339,9 +339,8 @@ def markdown(summary: dict) -> str:
     for r in summary["runs"]:
         x = r.get("result") or {}
         vs = rat.get(f"{r['label']}_vs_anchor_lora")
-        if r["label"] in ("zero3_fast", "zero3_fast_bf16", "full_ddp_fast",
-                          "zero3_fast_timers_on", "zero3_fast_no_overlap"):
-            vs = rat.get(f"{r['label']}_vs_anchor_full")
+        if f"{r['label']}_vs_anchor_full" in rat:                 # the full fine-tunes
+            vs = rat[f"{r['label']}_vs_anchor_full"]
         if r["label"].startswith("gptoss_fast"):                  # no anchor: vs the seed's
             vs = rat.get(f"{r['label']}_vs_plain")
         if r["label"].startswith("trl_qlora"):                    # vs Axolotl's QLoRA

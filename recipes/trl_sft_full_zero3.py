@@ -78,6 +78,7 @@ def train(opts: options.RecipeOptions) -> dict:
     model_config = speed.model_config(opts, tokenizer)
     # the fast settings for this host and model, a tuned ZeRO-3 dict among them (--speed off:
     # the seed's plain settings and its ZeRO-3 dict)
+    ds_keys = ds_overrides.from_extra(opts.extra)      # -x ds.PATH=VALUE (checked in the parent)
     fast = speed.settings(opts, device, technique=technique, config=model_config, lora=False,
                           world_size=rt.get_world_size())
     opts, speed_args, model_kwargs = speed.apply(opts, fast)
@@ -101,7 +102,7 @@ def train(opts: options.RecipeOptions) -> dict:
                               zero3_compiled=bool(fast and fast.compile_layers
                                                   and fast.zero3_layers),
                               zero3_master=str(opts.extra.get("master", "fp32")),
-                              zero3_overrides=ds_overrides.from_extra(opts.extra),
+                              zero3_overrides=ds_keys,
                               assistant_only_loss="{% generation %}" in (tokenizer.chat_template or ""))
 
     if opts.model is not None:
@@ -132,7 +133,7 @@ def train(opts: options.RecipeOptions) -> dict:
         "speed": speed.summary(fast), "compiled_layers": compiled,
         # the ZeRO settings DeepSpeed ran with, "auto" values filled in by the HF Trainer
         "deepspeed_zero": _zero_in_effect(trainer),
-        "deepspeed_overrides": ds_overrides.from_extra(opts.extra) or None,   # -x ds.*
+        "deepspeed_overrides": ds_keys or None,
         "world_size": rt.get_world_size(), "precision": prec,
         "parameters": sum(getattr(p, "ds_numel", p.numel()) for _, p in named),
         "output": opts.output_path() if opts.save else None})

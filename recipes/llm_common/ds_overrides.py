@@ -44,13 +44,6 @@ def from_extra(extra: dict) -> dict:
     return out
 
 
-def merge(base: dict, overrides: dict) -> dict:
-    """``base`` with ``overrides`` merged in, nested dicts key by key (neither is modified)."""
-    out = dict(base)
-    for k, v in overrides.items():
-        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
-    return out
-
 
 def check(extra: dict, *, technique: str) -> dict:
     """The overrides, checked in the parent: only under ZeRO-3 (the DDP run has no DeepSpeed

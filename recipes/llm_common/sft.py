@@ -112,8 +112,8 @@ def deepspeed_zero3(*, bf16: bool, tuned: bool = False, on_gpu: bool = True,
                                 hidden_size=hidden_size, compiled=compiled))
         seed["timers"] = throughput_timer_off()
     if overrides:
-        from .ds_overrides import merge
-        seed = merge(seed, overrides)
+        from gpulaunch.parallel.zero import deep_merge
+        seed = deep_merge(seed, overrides)
     return seed
 
 

@@ -318,7 +318,12 @@ def job_device_syncs(deepspeed_config):
     p = gp.prepare(Llama(CFG), opt_factory, strategy="zero3", deepspeed_config=deepspeed_config)
     acc, calls = get_accelerator(), []
     real = acc.synchronize
-    acc.synchronize = lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+
+    def counted(*a, **k):
+        calls.append(1)
+        return real(*a, **k)
+
+    acc.synchronize = counted
     try:
         losses = _train(p, rank, world, steps=4)
     finally:

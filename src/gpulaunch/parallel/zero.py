@@ -79,11 +79,12 @@ def zero_speed_settings(stage: int, *, on_gpu: bool = True, block_numel: int | N
     return zero
 
 
-def _deep_merge(base: dict, override: dict) -> dict:
+def deep_merge(base: dict, override: dict) -> dict:
+    """``base`` with ``override`` merged in, nested dicts key by key (neither is modified)."""
     out = dict(base)
     for k, v in override.items():
         if isinstance(v, dict) and isinstance(out.get(k), dict):
-            out[k] = _deep_merge(out[k], v)
+            out[k] = deep_merge(out[k], v)
         else:
             out[k] = v
     return out
@@ -120,7 +121,7 @@ def deepspeed_config(stage: int, *, mixed_precision=None, gradient_accumulation_
         cfg["bf16"] = {"enabled": True}
     elif mixed_precision == "fp16":
         cfg["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}
-    return _deep_merge(cfg, overrides or {})
+    return deep_merge(cfg, overrides or {})
 
 
 def prepare_deepspeed(model, optimizer, strategy, device, mixed_precision, activation_checkpointing,
