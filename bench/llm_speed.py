@@ -33,6 +33,10 @@ Groups (one device call each; ``--group all`` runs them in order while the budge
   LoRA r 32 all-linear), no checkpointing in either, tokens counted from the fetched batches in
   both; then, with the budget's slack, the TRL row with Liger, and with its layers compiled.
   Needs ``.device-carry/llm-frameworks.tar.xz`` too (Axolotl's tree; bitsandbytes for TRL).
+- ``table``: the speed table's rows alone, in one call: the ``lora`` group's anchors and
+  recipes, the ``quality`` twins, the ``full`` group's anchors, ``zero3_fast`` and the seed's
+  recipe under ``accelerate launch`` (its loss check's plain twin too). About 490 s on an H200,
+  660 s on a slow H100 host (which does not fit one 10-minute call).
 - ``foundry``: LLM Foundry's full fine-tune (Composer's trainer; at world size 1 Foundry drops
   its FSDP config) and the TRL full recipe as DDP on the ``full`` group's shape, tokens counted
   from the fetched batches in both; needs
@@ -69,6 +73,15 @@ ROOT = HERE.parent
 GROUPS = ("lora", "full", "quality", "frameworks", "gptoss", "qlora", "foundry")
 LOSS_TOLERANCE = 0.02
 RESULTS_DIR, LOG_DIR = Path("/tmp/llm-speed-results"), Path("/tmp/llm-speed-logs")
+# the speed table (recipes/LLM.md), in run order (A B B A per anchor): not one of GROUPS, so ``all`` does not
+# run these rows twice
+TABLE = ("anchor_lora_1", "lora_ddp_fast", "lora_fsdp_fast", "anchor_lora_2", "lora_ddp_plain",
+         "lora_fsdp_plain", "anchor_full_1", "zero3_fast", "zero3_plain_accelerate",
+         "anchor_full_2")
+# a run that exists only to be compared with these: pointless once they were all skipped
+COMPARED_WITH = {"lora_ddp_plain": ("lora_ddp_fast",), "lora_fsdp_plain": ("lora_fsdp_fast",),
+                 "zero3_plain_accelerate": ("zero3_fast", "zero3_plain"),
+                 "zero3_fast_accelerate": ("zero3_fast",)}
 
 
 @dataclass
@@ -206,13 +219,16 @@ def plan(group: str, smoke: bool) -> list[Item]:
                 _recipe("trl_lora_3b", group, "trl_sft_lora_ddp", three_b + r16,
                         role="framework_twin", smoke=smoke, est_s=70,
                         row="trl_sft_lora_ddp --speed auto, the same model, shape and adapter")]
+    if group == "table":
+        by = {i.label: i for g in ("lora", "quality", "full") for i in plan(g, smoke)}
+        return [by[label] for label in TABLE]
     if group == "gptoss":
         return gptoss_plan(smoke, _recipe, recipes_bench._shape)
     if group == "qlora":
         return qlora_plan(smoke, _recipe, recipes_bench._shape)
     if group == "foundry":
         return foundry_plan(smoke, _recipe, recipes_bench._shape)
-    raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)} or all")
+    raise SystemExit(f"--group {group!r}: use one of {', '.join(GROUPS)}, table or all")
 
 
 def anchor_command(item: Item, json_path: Path) -> list[str]:
@@ -417,6 +433,7 @@ def main(argv=None) -> int:
         summary["versions"].get("trl"), dict) else None
     summary["machine"] = gpu or summary["machine"]
     anchorless: set[str] = set()    # groups whose first anchor was skipped for the budget
+    planned = {i.label for i in items}
     for item in items:
         if item.recipe is not None and not recipes_bench.available(item.recipe.site):
             summary["skipped"].append({"run": item.label, "why": "framework not carried "
@@ -427,6 +444,13 @@ def main(argv=None) -> int:
             # its ratios need the anchor that did not run: the time goes to nothing else
             summary["skipped"].append({"run": item.label, "why": "budget: no anchor in its group"})
             print(f"--- skipped {item.label}: its group's anchor did not run", flush=True)
+            continue
+        partners = [p for p in COMPARED_WITH.get(item.label, ()) if p in planned]
+        if partners and not any(r["label"] in partners for r in summary["runs"]):
+            # every run it would be compared with was skipped: its time would buy nothing
+            summary["skipped"].append({"run": item.label, "why": "budget: its partners "
+                                       f"({', '.join(partners)}) did not run"})
+            print(f"--- skipped {item.label}: {', '.join(partners)} did not run", flush=True)
             continue
         if time.time() + 0.75 * item.est_s > deadline and not args.smoke:
             summary["skipped"].append({"run": item.label, "why": "budget"})

@@ -3,6 +3,8 @@
 #   GROUP=lora    bash bench/llm_speed.sh   # LoRA anchor A .. recipes, fused by hand .. A
 #   GROUP=full    bash bench/llm_speed.sh   # full anchor A .. ZeRO-3 fast/plain x gpulaunch/accelerate .. A
 #   GROUP=quality bash bench/llm_speed.sh   # LoRA recipes --speed off (the eval-loss baseline)
+#   GROUP=table TOTAL_S=580 bash bench/llm_speed.sh   # the speed table's ten rows alone
+#                                       # (~490 s on an H200; a slow H100 host needs ~660 s)
 #   GROUP=frameworks bash bench/llm_speed.sh  # Unsloth vs TRL LoRA, Llama-3.2-3B (also carry
 #                                             # .device-carry/llm-frameworks.tar.xz)
 #   GROUP=gptoss TOTAL_S=400 bash bench/llm_speed.sh   # gpt-oss-20b: the seed's row vs --speed auto (+ variants)

@@ -100,6 +100,8 @@ if [ "$DRY" = 1 ]; then
 fi
 T_TESTS=$(date +%s)
 export GPU_SUITE_DEADLINE=$((T_TESTS + BUDGET))   # the recipes finish (or fail) before the cap
+# conftest writes what it collected here: the summary lists those that never ran
+export GPU_SUITE_COLLECTED=$(mktemp /tmp/gpu-suite-collected.XXXXXX)
 timeout -s INT -k 30 "$BUDGET" "$PY" -m pytest "${args[@]}" 2>&1 | tee -a "$OUT/gpu-pytest.log"
 RC=${PIPESTATUS[0]}
 T_END=$(date +%s)
@@ -120,11 +122,10 @@ export GPU_SUITE_LEFT="${LEFT:-none}"
 rm -rf "$GPU_SUITE_ARTIFACTS"
 
 # ------------------------------------------------------------------ 4. the summary
-export GPU_SUITE_WHEELS="$WHEELS" GPU_SUITE_RC="$RC" GPU_SUITE_SITE="$SITE"
+export GPU_SUITE_WHEELS="$WHEELS" GPU_SUITE_RC="$RC" GPU_SUITE_SITE="$SITE" GPU_SUITE_SCRIPTS="$PWD/scripts"
 export GPU_SUITE_SECONDS="total $((T_END - T_START)) s (setup $((T_TESTS - T_START)) s, pytest $((T_END - T_TESTS)) s)"
 "$PY" - "$OUT" <<'EOF'
 import datetime, importlib, json, os, platform, socket, subprocess, sys
-import xml.etree.ElementTree as ET
 from pathlib import Path
 out = Path(sys.argv[1])
 site = os.path.realpath(os.environ.get("GPU_SUITE_SITE", "/tmp/site"))
@@ -176,26 +177,12 @@ try:
 except Exception:  # noqa: BLE001
     pass
 lines.append("versions: " + ", ".join(vers))
-rows = []
-junit = out / "gpu-junit.xml"
-if junit.exists():
-    for case in ET.parse(junit).getroot().iter("testcase"):
-        status, msg = "passed", ""
-        for tag in ("failure", "error", "skipped"):
-            el = case.find(tag)
-            if el is not None:
-                status = {"failure": "FAILED", "error": "ERROR", "skipped": "skipped"}[tag]
-                msg = (el.get("message") or "").splitlines()[0][:160] if el.get("message") else ""
-                break
-        name = f"{case.get('classname', '').split('.')[-1]}::{case.get('name')}"
-        rows.append((status, float(case.get("time") or 0), name, msg))
-else:   # cut short before junit was written: the per-test lines written as tests finished
-    for line in (out / "gpu-results.jsonl").read_text().splitlines() \
-            if (out / "gpu-results.jsonl").exists() else []:
-        r = json.loads(line)
-        rows.append((r["outcome"], r["seconds"], r["test"].split("tests/gpu/")[-1],
-                     (r.get("reason") or r.get("message") or "")[:160]))
-    lines.append("(no junit XML: the run was cut short; results below are what finished)")
+sys.path.insert(0, os.environ["GPU_SUITE_SCRIPTS"])
+from gpu_suite_rows import rows as suite_rows
+rows, note = suite_rows(out / "gpu-junit.xml", out / "gpu-results.jsonl",
+                        Path(os.environ["GPU_SUITE_COLLECTED"]))
+if note:
+    lines.append(note)
 counts = {}
 for status, *_ in rows:
     counts[status] = counts.get(status, 0) + 1
@@ -222,5 +209,6 @@ text = "\n".join(lines) + "\n"
 (out / "gpu-summary.txt").write_text(text)
 print("\n" + text)
 EOF
+rm -f "$GPU_SUITE_COLLECTED"
 say "outputs in $OUT: $(ls "$OUT" | tr '\n' ' ')"
 exit "$RC"

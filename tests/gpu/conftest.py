@@ -195,6 +195,14 @@ def _save_small_files(paths: list[Path], dest: Path) -> None:
             _kept_bytes[0] += min(size, _SMALL)
 
 
+def pytest_collection_finish(session):
+    """What this run will try, for scripts/gpu_suite.sh's summary: a test cut off by the suite's
+    time cap then reads "not run" there instead of vanishing from the list."""
+    path = os.environ.get("GPU_SUITE_COLLECTED")
+    if path:
+        Path(path).write_text("".join(item.nodeid + "\n" for item in session.items))
+
+
 def pytest_runtest_logreport(report):
     """One JSON line per test phase that matters, written as it happens: the summary is still
     there if the run is cut short (the device call's time limit)."""

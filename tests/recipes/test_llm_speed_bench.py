@@ -127,6 +127,30 @@ def test_qlora_ratio_by_median_step_sees_through_two_stalled_steps():
     assert r["trl_qlora_compiled_vs_axolotl_qlora_median_step"] is None   # not run
 
 
+def test_table_group_is_the_issues_rows_in_order():
+    p = _bench("--dry-run", "--group", "table")
+    assert p.returncode == 0, p.stderr
+    labels = [line.split()[1] for line in p.stdout.splitlines() if line.startswith("[")]
+    assert tuple(labels) == llm_speed.TABLE and len(labels) == 10
+    # A B B A around each half, the quality twins after the LoRA half's second anchor
+    assert labels[0] == "anchor_lora_1" and labels[3] == "anchor_lora_2"
+    assert labels[6] == "anchor_full_1" and labels[-1] == "anchor_full_2"
+    assert "--use_deepspeed" in p.stdout and "10 runs" in p.stdout
+
+
+def test_a_run_whose_partners_were_all_skipped_is_skipped_too(tmp_path):
+    # 2026-12-07 23:18: zero3_fast was skipped for the budget, and zero3_plain_accelerate, whose
+    # only use is the ratio against it, then ran into a timeout in the seconds left
+    p = _bench("--group", "full", "--only", "zero3_fast,zero3_plain_accelerate",
+               "--budget-s", "1", "--out", str(tmp_path))
+    assert "--- skipped zero3_fast: budget" in p.stdout, p.stdout + p.stderr
+    assert "--- skipped zero3_plain_accelerate: zero3_fast did not run" in p.stdout
+    # alone in the plan it has no partner to wait for: only the budget decides
+    p = _bench("--group", "full", "--only", "zero3_plain_accelerate", "--budget-s", "1",
+               "--out", str(tmp_path))
+    assert "--- skipped zero3_plain_accelerate: budget" in p.stdout, p.stdout + p.stderr
+
+
 @pytest.mark.slow
 def test_smoke_runs_one_anchor_row_through_its_cpu_mirror(tmp_path):
     p = _bench("--smoke", "--only", "anchor_lora_1", "--out", str(tmp_path), timeout=600)
