@@ -191,7 +191,9 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
         # (one flattened row; attention stays inside each original row, see long_chat)
         kw.update(packing=True, packing_strategy="bfd")
     tuned = speed_overrides is not None
-    kw.update(speed_overrides or {})
+    speed = dict(speed_overrides or {})
+    fsdp_speed = speed.pop("fsdp_config", {})    # merged into the FSDP2 dict below
+    kw.update(speed)
     if technique == ZERO3:
         kw["deepspeed"] = deepspeed_zero3(
             bf16=prec == "bf16", tuned=tuned, on_gpu=device.type == "cuda",
@@ -201,6 +203,7 @@ def sft_config(opts, *, technique: str, output_dir: str, device, prec: str, deco
     elif technique == FSDP2:
         kw["fsdp"], kw["fsdp_config"] = fsdp2(
             decoder_layer, activation_checkpointing=opts.gradient_checkpointing)
+        kw["fsdp_config"].update(fsdp_speed)
         kw["gradient_checkpointing"] = False   # FSDP does it (activation_checkpointing above)
         kw["gradient_checkpointing_kwargs"] = None
     elif technique != DDP:

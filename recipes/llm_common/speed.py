@@ -108,8 +108,10 @@ def apply(opts, s):
     if s is None:
         return opts, None, {}
     opts = dataclasses.replace(opts, gradient_checkpointing=s.trainer_args["gradient_checkpointing"])
-    return opts, {k: s.trainer_args[k] for k in _TRAINER_FIELDS if k in s.trainer_args}, dict(
-        s.model_kwargs)
+    over = {k: s.trainer_args[k] for k in _TRAINER_FIELDS if k in s.trainer_args}
+    if s.fsdp_config:                    # FSDP2's keys: sft_config merges them into its dict
+        over["fsdp_config"] = dict(s.fsdp_config)
+    return opts, over, dict(s.model_kwargs)
 
 
 def fuse(trainer, s) -> dict | None:
@@ -141,7 +143,8 @@ def summary(s) -> dict | None:
     if s is None:
         return None
     values = {**s.trainer_args, **s.model_kwargs, "fuse_lora": s.fuse_lora,
-              "compile_layers": s.compile_layers, "zero3_layers": s.zero3_layers}
+              "compile_layers": s.compile_layers, "zero3_layers": s.zero3_layers,
+              **s.fsdp_config}
     out = {k: {"value": v, "why": s.reasons.get(k, "")} for k, v in values.items()}
     if s.notes:
         out["notes"] = {"value": list(s.notes), "why": "advice beyond these settings"}

@@ -316,3 +316,47 @@ def test_one_process_under_zero3_or_fsdp2_is_told_to_use_ddp_when_it_fits(as_if_
     assert speed_settings(LlamaConfig(**LLAMA_1B), technique="zero3", world_size=8,
                           **as_if_gpu).notes == []
     assert speed_settings(LlamaConfig(**LLAMA_1B), technique="ddp", **as_if_gpu).notes == []
+
+
+def test_fsdp2_on_one_process_keeps_the_gathered_layers_where_memory_allows(as_if_gpu):
+    """One rank's shard is the whole weight: resharding after forward frees only the gathered
+    copy and gathers every layer again in backward (prepare(strategy='fsdp') keeps them too)."""
+    from llm_common import options, sft, speed
+    one = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", micro_batch_size=4,
+                         lora_rank=8, **as_if_gpu)
+    assert one.fsdp_config == {"reshard_after_forward": False}
+    assert "one process" in one.reasons["reshard_after_forward"]
+    assert "reshard_after_forward" in str(one)
+    # several ranks shard for real; a GPU without room for a second copy; the CPU; DDP
+    eight = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", world_size=8, **as_if_gpu)
+    assert eight.fsdp_config == {"reshard_after_forward": True}
+    small = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", micro_batch_size=4,
+                           **dict(as_if_gpu, gpu_memory_bytes=24 * 2**30))
+    assert small.fsdp_config == {"reshard_after_forward": True}
+    assert "less than a second copy" in small.reasons["reshard_after_forward"]
+    cpu = speed_settings(LlamaConfig(**LLAMA_1B), technique="fsdp2", device="cpu")
+    assert cpu.fsdp_config == {"reshard_after_forward": True}
+    assert speed_settings(LlamaConfig(**LLAMA_1B), technique="ddp", **as_if_gpu).fsdp_config == {}
+    # the recipes: the key reaches the SFTConfig's FSDP2 dict over the seed's True, and the
+    # result records it (the GPU's other fields, tf32 say, would not build on this CPU)
+    opts = options.RecipeOptions(recipe="t", arch="llama-3.2-1b", max_steps=1, seq_len=64,
+                                 batch_size=2, report_to="none")
+    _, over, _ = speed.apply(opts, one)
+    assert over["fsdp_config"] == {"reshard_after_forward": False}
+    assert speed.summary(one)["reshard_after_forward"]["value"] is False
+    cfg = sft.sft_config(opts, technique=sft.FSDP2, output_dir="/tmp/unused-fsdp-cfg",
+                         device=torch.device("cpu"), prec="fp32",
+                         decoder_layer="LlamaDecoderLayer", assistant_only_loss=True,
+                         speed_overrides={"fsdp_config": over["fsdp_config"]})
+    assert cfg.fsdp_config["reshard_after_forward"] is False
+    assert cfg.fsdp_config["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    seed = sft.sft_config(opts, technique=sft.FSDP2, output_dir="/tmp/unused-fsdp-cfg",
+                          device=torch.device("cpu"), prec="fp32",
+                          decoder_layer="LlamaDecoderLayer", assistant_only_loss=True)
+    assert seed.fsdp_config["reshard_after_forward"] is True      # --speed off: the seed's
+    # DDP ignores the FSDP keys
+    ddp = sft.sft_config(opts, technique=sft.DDP, output_dir="/tmp/unused-fsdp-cfg",
+                         device=torch.device("cpu"), prec="fp32",
+                         decoder_layer="LlamaDecoderLayer", assistant_only_loss=True,
+                         speed_overrides={"fsdp_config": over["fsdp_config"]})
+    assert not ddp.fsdp

@@ -56,6 +56,11 @@ What it decides (GPU / CPU):
   it on this GPU (it recomputes the forward: ~1/3 more arithmetic).
 - ``fuse_lora``: for LoRA (``lora_rank`` given), peft's adapters computed with the base matmul
   (``gpulaunch.hf.fuse_lora``); exact, so on CPU too.
+- ``fsdp_config`` (FSDP2 only; merge into the trainer's ``fsdp_config``):
+  ``reshard_after_forward=False`` with one process on a GPU where the planner leaves room for a
+  second copy of the weights (one rank's shard is the whole weight, so resharding frees only the
+  gathered copy and gathers each layer again in backward; ``prepare(strategy="fsdp")`` keeps
+  them too); True with several ranks, on CPU, or without that room.
 """
 
 from __future__ import annotations
@@ -78,12 +83,14 @@ class SpeedSettings:
     reasons: dict = field(default_factory=dict)   # setting -> why
     compile_layers: bool = False     # gpulaunch.hf.compile_layers(trainer.model) before train()
     zero3_layers: bool = False       # gpulaunch.hf.zero3_layer_units(trainer.model), before that
+    fsdp_config: dict = field(default_factory=dict)  # FSDP2 only: merge into fsdp_config
     notes: list = field(default_factory=list)     # advice beyond these fields (the technique)
 
     def __str__(self) -> str:
         rows = [*self.trainer_args.items(), *self.model_kwargs.items(),
                 ("fuse_lora", self.fuse_lora), ("compile_layers", self.compile_layers),
-                *([("zero3_layers", True)] if self.zero3_layers else [])]
+                *([("zero3_layers", True)] if self.zero3_layers else []),
+                *self.fsdp_config.items()]
         width = max(len(k) for k, _ in rows)
         return "\n".join([f"{k:<{width}}  {v!r:<22} {self.reasons.get(k, '')}" for k, v in rows]
                          + [f"note: {n}" for n in self.notes])
@@ -273,6 +280,12 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
     why["gradient_checkpointing"] = reason
     fuse = lora_rank is not None
     why["fuse_lora"] = ("peft's adapters in the base matmul (exact)" if fuse else "not LoRA")
+    fsdp_config = {}
+    if TECHNIQUES[technique] == "fsdp":
+        keep, why["reshard_after_forward"] = _fsdp_keep_unsharded(
+            cfg, gpu=gpu, world_size=world_size, seq_len=seq_len, lora_rank=lora_rank,
+            micro_batch_size=micro_batch_size, ckpt=ckpt, gpu_memory_bytes=gpu_memory_bytes)
+        fsdp_config["reshard_after_forward"] = not keep
     notes = []
     if gpu and world_size == 1 and technique in ("zero3", "fsdp2", "fsdp") and cfg is not None:
         notes.append(_one_process_note(cfg, technique, seq_len=seq_len, lora_rank=lora_rank,
@@ -284,7 +297,31 @@ def speed_settings(model_config=None, *, device=None, technique: str = "ddp", se
                                "hook pair, none inside the compiled layer (per-submodule hooks "
                                "break its graph at every linear)")
     return SpeedSettings(args, model_kwargs, fuse, why, compile_layers=layers, notes=notes,
-                         zero3_layers=zero3_layers)
+                         zero3_layers=zero3_layers, fsdp_config=fsdp_config)
+
+
+def _fsdp_keep_unsharded(cfg, *, gpu: bool, world_size: int, ckpt: bool, **kw) -> tuple[bool, str]:
+    """FSDP2 on one process: whether to keep every layer's gathered weights after forward.
+    Resharding there frees only a second copy of the weights (one rank's shard is all of them)
+    and costs a second gather (a copy) and its hooks per layer in backward; prepare() keeps
+    them for the same reason. Only where the planner leaves room for that copy."""
+    if world_size != 1:
+        return False, "several ranks: each layer is resharded after forward, its memory freed"
+    if not gpu:
+        return False, "CPU: FSDP2 runs on GPUs only (Accelerate falls back to DDP)"
+    if cfg is None:
+        return False, "one process, but no model config to check the memory with"
+    from ..planner import plan
+    from ..planner.hf_config import from_dict
+    est = plan(from_dict(cfg), strategies=["fsdp"], gpus_per_node=1,
+               activation_checkpointing=ckpt, **kw).estimates[0]
+    gib = 2 ** 30
+    if est.headroom < est.parameters:
+        return False, (f"one process, but the planner leaves {est.headroom / gib:.1f} GiB, less "
+                       f"than a second copy of the weights ({est.parameters / gib:.1f} GiB)")
+    return True, ("one process: resharding would free only a second copy of the weights and "
+                  "gather every layer again in backward; the planner leaves "
+                  f"{est.headroom / gib:.1f} GiB for the {est.parameters / gib:.1f} GiB it keeps")
 
 
 def _one_process_note(cfg: dict, technique: str, **kw) -> str:
