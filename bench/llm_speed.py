@@ -73,13 +73,14 @@ ROOT = HERE.parent
 GROUPS = ("lora", "full", "quality", "frameworks", "gptoss", "qlora", "foundry")
 LOSS_TOLERANCE = 0.02
 RESULTS_DIR, LOG_DIR = Path("/tmp/llm-speed-results"), Path("/tmp/llm-speed-logs")
-# the speed table (recipes/LLM.md), in run order (A B B A per anchor): not one of GROUPS, so ``all`` does not
-# run these rows twice
+# the speed table (recipes/LLM.md), in run order (A B B A per anchor): not one of GROUPS,
+# so ``all`` does not run these rows twice
 TABLE = ("anchor_lora_1", "lora_ddp_fast", "lora_fsdp_fast", "anchor_lora_2", "lora_ddp_plain",
          "lora_fsdp_plain", "anchor_full_1", "zero3_fast", "zero3_plain_accelerate",
          "anchor_full_2")
 # a run that exists only to be compared with these: pointless once they were all skipped
-COMPARED_WITH = {"lora_ddp_plain": ("lora_ddp_fast",), "lora_fsdp_plain": ("lora_fsdp_fast",),
+COMPARED_WITH = {"lora_ddp_plain": ("lora_ddp_fast",),
+                 "lora_fsdp_plain": ("lora_fsdp_fast", "lora_fsdp_fast_reshard"),
                  "zero3_plain_accelerate": ("zero3_fast", "zero3_plain"),
                  "zero3_fast_accelerate": ("zero3_fast",)}
 
@@ -134,6 +135,12 @@ def plan(group: str, smoke: bool) -> list[Item]:
                         row="trl_sft_lora_ddp --speed auto", est_s=90, smoke=smoke),
                 _recipe("lora_fsdp_fast", group, "trl_sft_lora_fsdp", one_b + lora + fsdp_cpu,
                         role="fast", row="trl_sft_lora_fsdp --speed auto", est_s=90, smoke=smoke),
+                # FSDP2 resharding each layer after forward, as the seed's dict does (--speed auto
+                # keeps them gathered with one process): what that choice is worth
+                _recipe("lora_fsdp_fast_reshard", group, "trl_sft_lora_fsdp",
+                        one_b + lora + fsdp_cpu + ["-x", "reshard_after_forward=true"],
+                        role="variant", smoke=smoke, est_s=70,
+                        row="trl_sft_lora_fsdp --speed auto -x reshard_after_forward=true"),
                 anchor("fused_merged", "lora", "merged", role="fused"),
                 anchor("anchor_lora_2", "lora", role="anchor_lora"),
                 # --speed auto without compiling (Liger's kernels instead): is compiling the
@@ -298,7 +305,7 @@ def ratios(runs: list[dict]) -> dict:
     out = {"anchor_lora_tokens_per_second": anchor_lora,
            "anchor_full_tokens_per_second": anchor_full}
     for label in ("lora_ddp_fast", "lora_fsdp_fast", "fused_merged", "fused_split",
-                  "lora_ddp_eager"):
+                  "lora_ddp_eager", "lora_fsdp_fast_reshard"):
         out[f"{label}_vs_anchor_lora"] = ratio(_rate(by.get(label, {})), anchor_lora)
     z = {k: _rate(by.get(k, {})) for k in ("zero3_fast", "zero3_plain", "zero3_plain_accelerate",
                                            "zero3_fast_accelerate", "zero3_plain_omp1")}
@@ -334,6 +341,7 @@ def loss_checks(runs: list[dict]) -> dict:
         by["zero3_plain"] = by.get("zero3_plain_accelerate")
     out = {}
     for fast, plain in (("lora_ddp_fast", "lora_ddp_plain"), ("lora_fsdp_fast", "lora_fsdp_plain"),
+                        ("lora_fsdp_fast_reshard", "lora_fsdp_plain"),
                         ("zero3_fast", "zero3_plain"), ("zero3_fast_bf16", "zero3_plain"),
                         ("zero3_fast_no_overlap", "zero3_plain"),
                         ("gptoss_fast", "gptoss_plain"),

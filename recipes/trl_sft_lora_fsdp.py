@@ -32,7 +32,7 @@
 # FSDP at world size 1 is real FSDP too (`--gpus 1`), which is how it is measured on one H200.
 
 # %%
-from llm_common import launch, options, summary
+from llm_common import launch, options, speed, summary
 
 from gpulaunch import distributed
 from gpulaunch import runtime as rt
@@ -49,6 +49,7 @@ TINY = dict(lr=3e-3, warmup_steps=0, batch_size=8, grad_accum=1, seq_len=64, max
             logging_steps=10, gradient_checkpointing=False,
             lora_train_modules="embed_tokens,lm_head")  # why: see trl_sft_lora_ddp
 OPTS = options.parse(DEFAULTS, TINY, description=__doc__)
+speed.reshard_choice(OPTS.extra)   # -x reshard_after_forward=true|false: checked here, early
 
 
 # %% [markdown]

@@ -2,8 +2,8 @@
 ``gpulaunch.hf.speed_settings`` for this host and model (compile, Liger kernels, fused AdamW,
 fused LoRA, FlashAttention when installed, gradient checkpointing only when the planner says
 memory needs it, a tuned ZeRO-3 config); ``--speed off`` runs the seed's plain settings (the
-loss-check baseline). ``-x compile=true|false|model``, ``-x liger=...``, ``-x fused_lora=...``
-force one choice (``compile=true``: the decoder layers, ``gpulaunch.hf.compile_layers``;
+loss-check baseline). ``-x compile=true|false|model``, ``-x liger=...``, ``-x fused_lora=...``,
+``-x reshard_after_forward=...`` (FSDP2) force one choice (``compile=true``: the decoder layers, ``gpulaunch.hf.compile_layers``;
 ``compile=model``: the trainer's whole-model ``torch_compile``); an explicit
 ``--gradient-checkpointing`` / ``--no-gradient-checkpointing`` wins over the planner. A compiled
 run records in its result (``speed.recompile_limit_hits``) every frame Dynamo stopped compiling
@@ -95,12 +95,26 @@ def settings(opts, device, *, technique: str, config, lora: bool, world_size: in
     if "fused_lora" in opts.extra:
         s.fuse_lora = bool(opts.extra["fused_lora"]) and lora
         s.reasons["fuse_lora"] = "asked for"
+    if reshard_choice(opts.extra) is not None and s.fsdp_config:
+        s.fsdp_config["reshard_after_forward"] = reshard_choice(opts.extra)
+        s.reasons["reshard_after_forward"] = "asked for"
     if s.trainer_args.get("torch_compile") or s.compile_layers:
         _watch_recompile_limit()
     if os.environ.get("RANK", "0") == "0":
         for note in s.notes:          # e.g. ZeRO-3 on one GPU: DDP is the faster choice
             print(f"speed: {note}", flush=True)
     return s
+
+
+def reshard_choice(extra: dict) -> bool | None:
+    """``-x reshard_after_forward=true|false`` (FSDP2, with ``--speed auto``): None when not
+    given; called in the parent too, so a bad value stops the run before it starts."""
+    if "reshard_after_forward" not in extra:
+        return None
+    value = extra["reshard_after_forward"]
+    if not isinstance(value, bool):
+        raise SystemExit(f"-x reshard_after_forward={value!r}: use true or false")
+    return value
 
 
 def apply(opts, s):

@@ -36,9 +36,12 @@ def test_dry_run_lists_every_group_interleaved_with_its_anchor():
                         ("zero3_fast_no_overlap", "-x ds.zero_optimization.overlap_comm=false")):
         assert labels.index("anchor_full_1") < labels.index(label) < labels.index("anchor_full_2")
         assert flag in p.stdout
+    # FSDP2's own choice measured against the seed's resharding, between the LoRA anchors
+    assert labels.index("anchor_lora_1") < labels.index("lora_fsdp_fast_reshard") < labels.index("anchor_lora_2")
+    assert "-x reshard_after_forward=true" in p.stdout
     assert "--use_deepspeed" in p.stdout and "--speed off" in p.stdout
     assert "--seq-len 2048 --batch-size 4" in p.stdout and "--full" in p.stdout
-    assert "37 runs" in p.stdout and "zero3_fast_bf16" in labels and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
+    assert "38 runs" in p.stdout and "zero3_fast_bf16" in labels and "unsloth_3b" in labels and "lora_ddp_eager" in labels and "full_ddp_fast" in labels
     # gpt-oss: the seed's phase-2 row (--speed off) first, then --speed auto without the seed's
     # explicit checkpointing and eager attention (they would win over the planner's choices)
     gpt = [line for line in p.stdout.splitlines() if "--arch gpt-oss-20b" in line]

@@ -360,3 +360,24 @@ def test_fsdp2_on_one_process_keeps_the_gathered_layers_where_memory_allows(as_i
                          decoder_layer="LlamaDecoderLayer", assistant_only_loss=True,
                          speed_overrides={"fsdp_config": over["fsdp_config"]})
     assert not ddp.fsdp
+
+
+def test_reshard_after_forward_can_be_forced_under_speed_auto():
+    from llm_common import options, speed
+    defaults = options.RecipeOptions(recipe="t", lora_r=8, batch_size=4)
+    cfg = LlamaConfig(**LLAMA_1B)
+    cpu = torch.device("cpu")
+    auto = speed.settings(options.parse(defaults, argv=[]), cpu, technique="fsdp2", config=cfg,
+                          lora=True, world_size=1)
+    assert auto.fsdp_config == {"reshard_after_forward": True}     # CPU: the decision's default
+    forced = speed.settings(options.parse(defaults, argv=["-x", "reshard_after_forward=false"]),
+                            cpu, technique="fsdp2", config=cfg, lora=True, world_size=1)
+    assert forced.fsdp_config == {"reshard_after_forward": False}
+    assert speed.summary(forced)["reshard_after_forward"] == {"value": False, "why": "asked for"}
+    # DDP has no FSDP dict to put it in
+    ddp = speed.settings(options.parse(defaults, argv=["-x", "reshard_after_forward=false"]),
+                         cpu, technique="ddp", config=cfg, lora=True, world_size=1)
+    assert ddp.fsdp_config == {}
+    with pytest.raises(SystemExit, match="use true or false"):
+        speed.reshard_choice({"reshard_after_forward": "maybe"})
+    assert speed.reshard_choice({}) is None

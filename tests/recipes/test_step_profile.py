@@ -111,3 +111,10 @@ def test_bad_profile_and_master_values_fail_before_launching(tmp_path):
                               text=True, timeout=120)
         assert proc.returncode != 0 and message in proc.stderr, proc.stderr[-2000:]
         assert "rank" not in proc.stderr.lower()      # no process was started
+    # the FSDP2 recipe's one key of its own, checked before its GPU check and any launch
+    proc = subprocess.run([PY, str(ROOT / "recipes" / "trl_sft_lora_fsdp.py"), "-x",
+                           "reshard_after_forward=maybe"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0, proc.stderr[-2000:]
+    assert "-x reshard_after_forward='maybe': use true or false" in proc.stderr, proc.stderr[-2000:]
+    assert "rank" not in proc.stderr.lower() and "FSDPNeedsGPU" not in proc.stderr
