@@ -3,8 +3,9 @@
 fused LoRA, FlashAttention when installed, gradient checkpointing only when the planner says
 memory needs it, a tuned ZeRO-3 config); ``--speed off`` runs the seed's plain settings (the
 loss-check baseline). ``-x compile=true|false|model``, ``-x liger=...``, ``-x fused_lora=...``,
-``-x reshard_after_forward=...`` (FSDP2) force one choice (``compile=true``: the decoder layers, ``gpulaunch.hf.compile_layers``;
-``compile=model``: the trainer's whole-model ``torch_compile``); an explicit
+``-x reshard_after_forward=...`` (FSDP2) force one choice (``compile=true``: the decoder
+layers, ``gpulaunch.hf.compile_layers``; ``compile=model``: the trainer's whole-model
+``torch_compile``); an explicit
 ``--gradient-checkpointing`` / ``--no-gradient-checkpointing`` wins over the planner. A compiled
 run records in its result (``speed.recompile_limit_hits``) every frame Dynamo stopped compiling
 after ``recompile_limit``; it should stay empty.
