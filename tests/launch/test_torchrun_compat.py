@@ -27,10 +27,14 @@ from torch.distributed.elastic.multiprocessing.errors import record
 def main():
     rank = int(os.environ["RANK"])
     gen = torch.Generator().manual_seed(1234)       # a seeded stream: equal under both
-    print(json.dumps({"rank": rank, "seed": torch.initial_seed(), "file": __file__,
-                      "argv": sys.argv[1:], "role": os.environ.get("ROLE_NAME"),
-                      "error_file": bool(os.environ.get("TORCHELASTIC_ERROR_FILE")),
-                      "seeded": torch.rand(2, generator=gen).tolist()}), flush=True)
+    # one write per record: under torchrun both ranks share the caller's pipe, and with
+    # PYTHONUNBUFFERED (the test command sets it) print() writes the text and its newline
+    # separately, so another rank's record could land between them on the same line
+    sys.stdout.write(json.dumps({"rank": rank, "seed": torch.initial_seed(), "file": __file__,
+                                 "argv": sys.argv[1:], "role": os.environ.get("ROLE_NAME"),
+                                 "error_file": bool(os.environ.get("TORCHELASTIC_ERROR_FILE")),
+                                 "seeded": torch.rand(2, generator=gen).tolist()}) + "\n")
+    sys.stdout.flush()
     print(f"on-stderr {rank}", file=sys.stderr, flush=True)
     if "--wait" in sys.argv:
         with open(f"{sys.argv[-1]}.{rank}", "w") as f:
